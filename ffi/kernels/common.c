@@ -1,0 +1,36 @@
+#include "common.h"
+
+#include <stdio.h>
+#include <string.h>
+
+void sparcml_pad_tail(int32_t *indices, float *values, int64_t nnz, int64_t capacity, int64_t n) {
+  for (int64_t i = nnz; i < capacity; ++i) indices[i] = (int32_t)n;
+  if (capacity > nnz) memset(values + nnz, 0, (size_t)(capacity - nnz) * sizeof(float));
+}
+
+int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, int64_t capacity,
+                         int64_t n, char *err) {
+  if (nnz < 0 || nnz > capacity) {
+    snprintf(err, SPARCML_ERRLEN, "%s: nnz=%lld is outside [0, capacity=%lld]; build the stream with a larger capacity",
+             name, (long long)nnz, (long long)capacity);
+    return 1;
+  }
+  if (nnz == n) return 0; /* dense representation: indices are implicit */
+  int64_t prev = -1;
+  for (int64_t i = 0; i < nnz; ++i) {
+    int64_t cur = indices[i];
+    if (cur <= prev) {
+      snprintf(err, SPARCML_ERRLEN,
+               "%s: indices must be strictly increasing (sorted, no duplicates); violated at position %lld (%lld after %lld)",
+               name, (long long)i, (long long)cur, (long long)prev);
+      return 1;
+    }
+    prev = cur;
+  }
+  if (nnz > 0 && (indices[0] < 0 || indices[nnz - 1] >= n)) {
+    snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld", name, (long long)n,
+             (long long)(indices[0] < 0 ? indices[0] : indices[nnz - 1]));
+    return 1;
+  }
+  return 0;
+}

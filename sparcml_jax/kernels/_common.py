@@ -1,0 +1,55 @@
+"""Helpers shared by the kernel wrappers: trace-time validation and platform dispatch."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
+
+
+def on_cpu_or_reference(ffi_impl: Callable[..., Any], reference: Callable[..., Any], *args: Any) -> Any:
+    """Runs the C kernel on CPU and the pure-jnp reference on every other platform."""
+    return jax.lax.platform_dependent(*args, cpu=ffi_impl, default=reference)
+
+
+def check_vector(x: Any, name: str, dtype=VALUE_DTYPE) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D vector, got shape {x.shape}; flatten it with .ravel()")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}; convert with .astype()")
+    return x
+
+
+def check_stream(s: Any, name: str) -> SparseStream:
+    if not isinstance(s, SparseStream):
+        raise TypeError(f"{name} must be a SparseStream, got {type(s).__name__}")
+    if s.indices.ndim != 1 or s.values.shape != s.indices.shape or jnp.shape(s.nnz) != ():
+        raise ValueError(
+            f"{name}: indices and values must be 1-D of equal capacity and nnz a scalar; got "
+            f"{s.indices.shape}, {s.values.shape}, {jnp.shape(s.nnz)}"
+        )
+    if s.indices.dtype != INDEX_DTYPE or s.values.dtype != VALUE_DTYPE:
+        raise TypeError(f"{name}: indices must be int32 and values float32, got {s.indices.dtype}, {s.values.dtype}")
+    return s
+
+
+def check_same_size(a: SparseStream, b: SparseStream) -> None:
+    if a.size != b.size:
+        raise ValueError(f"streams a and b describe vectors of different sizes ({a.size} != {b.size})")
+
+
+def scalar_i32(x: Any) -> jax.Array:
+    return jnp.asarray(x, INDEX_DTYPE).reshape(())
+
+
+def attr_i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def valid_mask(s: SparseStream) -> jax.Array:
+    return jnp.arange(s.capacity, dtype=INDEX_DTYPE) < s.nnz

@@ -1,0 +1,130 @@
+"""The sparse stream: SparCML's unit of communication (paper §3, "sparse streams").
+
+A stream holds ``nnz`` sorted (index, value) pairs of a length-``size`` vector in buffers of a
+static ``capacity``. Entries past ``nnz`` are padding (index ``size``, value 0). When the pairs
+would cost at least as much as the dense vector, ``nnz * (4 + 4) >= delta * size * 4``, the
+stream switches to its dense representation: ``nnz == size``, ``values[i]`` is entry ``i`` and
+``indices`` is ``0..size-1``. The switch needs ``capacity >= size``; every kernel decides it on
+the actual count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INDEX_DTYPE = jnp.int32
+VALUE_DTYPE = jnp.float32
+INDEX_BYTES = 4
+VALUE_BYTES = 4
+MAX_SIZE = np.iinfo(np.int32).max
+
+
+def check_size(size: int, name: str = "size") -> int:
+    """Validates a dense length: a non-negative Python int that fits int32 indices."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int (the static dense length), got {type(size).__name__}")
+    size = int(size)
+    if not 0 <= size <= MAX_SIZE:
+        raise ValueError(
+            f"{name}={size} does not fit int32 indices: it must lie in [0, {MAX_SIZE}]; "
+            "split the vector into several streams"
+        )
+    return size
+
+
+def dense_threshold(size: int, delta: float = 1.0) -> int:
+    """Smallest nnz at which the dense representation is no larger than the pairs.
+
+    SparCML's rule: dense once ``nnz * (index_bytes + value_bytes) >= delta * size * value_bytes``.
+    """
+    if not delta > 0:
+        raise ValueError(f"delta must be positive (1.0 is SparCML's rule), got {delta}")
+    return max(1, math.ceil(delta * size * VALUE_BYTES / (INDEX_BYTES + VALUE_BYTES)))
+
+
+def can_switch_to_dense(capacity: int, size: int, delta: float) -> bool:
+    """Whether a stream of ``capacity`` pairs may need the dense representation."""
+    return min(capacity, size) >= dense_threshold(size, delta)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseStream:
+    """Sorted (index, value) pairs of a length-``size`` vector, or that vector itself.
+
+    Attributes:
+      indices: int32[capacity], strictly increasing in ``[0, size)`` for the first ``nnz``.
+      values: float32[capacity], the matching values.
+      nnz: int32 scalar, the number of valid pairs; ``nnz == size`` marks the dense form.
+      size: static dense length N.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import SparseStream
+      >>> s = SparseStream.from_dense(jnp.array([0., 3., 0., 0., 0., -1.]), capacity=4)
+      >>> s.indices.tolist(), s.values.tolist(), int(s.nnz)
+      ([1, 5, 6, 6], [3.0, -1.0, 0.0, 0.0], 2)
+      >>> s.to_dense().tolist()
+      [0.0, 3.0, 0.0, 0.0, 0.0, -1.0]
+    """
+
+    indices: jax.Array
+    values: jax.Array
+    nnz: jax.Array
+    size: int = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        # Leaves can be placeholders inside JAX transformations: check only real arrays.
+        for name, want in (("indices", INDEX_DTYPE), ("values", VALUE_DTYPE), ("nnz", INDEX_DTYPE)):
+            leaf = getattr(self, name)
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and dtype != want:
+                raise TypeError(
+                    f"SparseStream.{name} must have dtype {jnp.dtype(want).name}, got {dtype}; "
+                    f"convert with .astype(jnp.{jnp.dtype(want).name})"
+                )
+
+    @property
+    def capacity(self) -> int:
+        return self.indices.shape[-1]
+
+    @property
+    def is_dense(self) -> jax.Array:
+        """Traced bool: whether the stream is in its dense representation."""
+        return self.nnz == self.size
+
+    @classmethod
+    def empty(cls, size: int, capacity: int) -> "SparseStream":
+        size = check_size(size)
+        return cls(
+            indices=jnp.full((capacity,), size, INDEX_DTYPE),
+            values=jnp.zeros((capacity,), VALUE_DTYPE),
+            nnz=jnp.zeros((), INDEX_DTYPE),
+            size=size,
+        )
+
+    @classmethod
+    def from_dense(cls, x: jax.Array, capacity: int | None = None, delta: float = 1.0) -> "SparseStream":
+        """The nonzeros of a 1-D float32 vector (NaN counts as nonzero, -0.0 as zero).
+
+        With ``capacity=None`` the capacity is ``x.size`` and the stream is dense when the count
+        reaches the threshold. More nonzeros than ``capacity`` raise an error at run time.
+        """
+        from sparcml_jax.kernels.partition import from_dense
+
+        return from_dense(x, capacity=capacity, delta=delta)
+
+    def to_dense(self) -> jax.Array:
+        """The float32[size] vector this stream represents."""
+        from sparcml_jax.kernels.partition import scatter_add
+
+        return scatter_add(self, jnp.zeros((self.size,), VALUE_DTYPE))
+
+    def wire_bytes(self) -> jax.Array:
+        """Bytes this stream costs on the wire: the valid pairs, or the dense values."""
+        return jnp.where(self.is_dense, self.size * VALUE_BYTES, self.nnz * (INDEX_BYTES + VALUE_BYTES))

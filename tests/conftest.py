@@ -1,0 +1,8 @@
+import os
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+
+# tests/mpi holds in-rank tests: they run only under mpirun, spawned by tests/test_mpi_spawn.py.
+collect_ignore = [] if os.environ.get("SPARCML_IN_MPIRUN") else ["mpi"]
