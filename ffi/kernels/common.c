@@ -16,6 +16,11 @@ int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, 
     return 1;
   }
   if (nnz == n) return 0; /* dense representation: indices are implicit */
+  if (nnz > 0 && indices[0] < 0) {
+    snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld", name, (long long)n,
+             (long long)indices[0]);
+    return 1;
+  }
   int64_t prev = -1;
   for (int64_t i = 0; i < nnz; ++i) {
     int64_t cur = indices[i];
@@ -27,9 +32,9 @@ int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, 
     }
     prev = cur;
   }
-  if (nnz > 0 && (indices[0] < 0 || indices[nnz - 1] >= n)) {
+  if (nnz > 0 && indices[nnz - 1] >= n) {
     snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld", name, (long long)n,
-             (long long)(indices[0] < 0 ? indices[0] : indices[nnz - 1]));
+             (long long)indices[nnz - 1]);
     return 1;
   }
   return 0;

@@ -1,28 +1,288 @@
-"""Placeholder: from_dense and scatter_add in jnp until the C kernels land."""
+"""Stream construction and SparCML's split phase (paper §3 streams, §4 Split_allgather).
+
+* :func:`from_dense` / :func:`scatter_add`: dense vector <-> :class:`SparseStream`.
+* :func:`partition_bounds` / :func:`split`: the index space ``[0, size)`` cut into ``parts``
+  ranges (the last takes the remainder) and, for a stream, which of its pairs fall in each range.
+  This is the split phase of ``SSAR_Split_allgather`` and ``DSAR_Split_allgather``.
+* :func:`gather`: a stream of the entries of a dense vector at a sorted support.
+
+Each kernel runs in C on CPU and has a pure-jnp ``*_reference`` used on other platforms and in
+tests. Static arguments are checked at trace time; stream contents (sorted, in range, nnz within
+capacity) are checked at run time by the C kernels, whose errors name the argument.
+"""
+
 from __future__ import annotations
+
+from typing import Any
+
+import jax
 import jax.numpy as jnp
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, can_switch_to_dense, dense_threshold, check_size
+import numpy as np
+
+from sparcml_jax import _lib
+from sparcml_jax.kernels._common import attr_i64, check_stream, check_vector, on_cpu_or_reference, scalar_i32
+from sparcml_jax.stream import MAX_SIZE, INDEX_DTYPE, VALUE_DTYPE, SparseStream, check_size, dense_threshold
+
+_FROM_DENSE = "sparcml_from_dense"
+_SCATTER_ADD = "sparcml_scatter_add"
+_SPLIT = "sparcml_split"
+_GATHER = "sparcml_gather"
 
 
-def from_dense(x, capacity=None, delta=1.0):
-    x = jnp.asarray(x)
-    size = check_size(x.shape[0])
+def _check_count(value: Any, name: str, minimum: int) -> int:
+    """A static Python int in [minimum, MAX_SIZE]."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int (a static shape), got {type(value).__name__}")
+    value = int(value)
+    if not minimum <= value <= MAX_SIZE:
+        raise ValueError(f"{name} must lie in [{minimum}, {MAX_SIZE}], got {value}")
+    return value
+
+
+def _check_dense_size(stream: SparseStream, dense: jax.Array) -> None:
+    if dense.shape[0] != stream.size:
+        raise ValueError(
+            f"dense has length {dense.shape[0]} but stream describes a vector of size {stream.size}; "
+            "they must match"
+        )
+
+
+def _padded_dense(x: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """Indices and values of the dense representation of ``x`` in buffers of ``capacity >= x.size``."""
+    size = x.shape[0]
+    pad = capacity - size
+    idx = jnp.concatenate([jnp.arange(size, dtype=INDEX_DTYPE), jnp.full((pad,), size, INDEX_DTYPE)])
+    val = jnp.concatenate([x, jnp.zeros((pad,), VALUE_DTYPE)])
+    return idx, val
+
+
+def _take_or_zero(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """``x[positions]`` where ``positions < x.size``, 0 elsewhere (padding)."""
+    size = x.shape[0]
+    if size == 0:
+        return jnp.zeros(positions.shape, VALUE_DTYPE)
+    return jnp.where(positions < size, x[jnp.clip(positions, 0, size - 1)], 0.0).astype(VALUE_DTYPE)
+
+
+# --------------------------------------------------------------------------------------------
+# from_dense
+
+
+def from_dense(x: jax.Array, capacity: int | None = None, delta: float = 1.0) -> SparseStream:
+    """The stream of the nonzeros of a 1-D float32 vector, in index order.
+
+    NaN counts as nonzero, ``-0.0`` as zero. ``capacity`` (static, default ``x.size``) is the
+    length of the pair buffers. When the count reaches ``dense_threshold(x.size, delta)`` and
+    ``capacity >= x.size`` the result is the dense representation (``nnz == size``). More
+    nonzeros than ``capacity`` (when the dense form is not possible) raise at run time.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import from_dense
+      >>> s = from_dense(jnp.array([0., 2., 0., 0., 0., 0., 5., 0.]), capacity=3)
+      >>> s.indices.tolist(), s.values.tolist(), int(s.nnz)
+      ([1, 6, 8], [2.0, 5.0, 0.0], 2)
+      >>> int(from_dense(jnp.array([1., 2., 0., 3.])).nnz)  # 3 of 4 nonzero: dense form
+      4
+    """
+    x = check_vector(x, "x")
+    size = check_size(x.shape[0], "x.size")
+    capacity = size if capacity is None else _check_count(capacity, "capacity", 0)
+    threshold = dense_threshold(size, delta)
+
+    def ffi_impl(x):
+        _lib.register_cpu_target(_FROM_DENSE, "SparcmlFromDense")
+        out = (
+            jax.ShapeDtypeStruct((capacity,), INDEX_DTYPE),
+            jax.ShapeDtypeStruct((capacity,), VALUE_DTYPE),
+            jax.ShapeDtypeStruct((), INDEX_DTYPE),
+        )
+        idx, val, nnz = jax.ffi.ffi_call(_FROM_DENSE, out, vmap_method="sequential")(
+            x, dense_threshold=attr_i64(threshold)
+        )
+        return SparseStream(idx, val, nnz, size)
+
+    def reference(x):
+        return from_dense_reference(x, capacity=capacity, delta=delta)
+
+    return on_cpu_or_reference(ffi_impl, reference, x)
+
+
+def from_dense_reference(x: jax.Array, capacity: int | None = None, delta: float = 1.0) -> SparseStream:
+    """Pure-jnp :func:`from_dense` (no validation: more nonzeros than ``capacity`` keep the first ones)."""
+    size = x.shape[0]
     capacity = size if capacity is None else capacity
-    nz = x != 0
-    count = jnp.sum(nz, dtype=INDEX_DTYPE)
-    (pos,) = jnp.nonzero(nz, size=capacity, fill_value=size)
-    pos = pos.astype(INDEX_DTYPE)
-    vals = jnp.where(pos < size, x[jnp.minimum(pos, size - 1)], 0.0).astype(VALUE_DTYPE)
-    s = SparseStream(pos, vals, jnp.minimum(count, capacity), size)
-    if can_switch_to_dense(capacity, size, delta):
-        go = count >= dense_threshold(size, delta)
-        pad = capacity - size
-        return SparseStream(jnp.where(go, jnp.concatenate([jnp.arange(size, dtype=INDEX_DTYPE), jnp.full((pad,), size, INDEX_DTYPE)]), pos),
-                            jnp.where(go, jnp.concatenate([x, jnp.zeros((pad,), VALUE_DTYPE)]), vals),
-                            jnp.where(go, size, s.nnz).astype(INDEX_DTYPE), size)
-    return s
+    nonzero = x != 0
+    count = jnp.sum(nonzero, dtype=INDEX_DTYPE)
+    (positions,) = jnp.nonzero(nonzero, size=capacity, fill_value=size)
+    positions = positions.astype(INDEX_DTYPE)
+    values = _take_or_zero(x, positions)
+    nnz = jnp.minimum(count, capacity).astype(INDEX_DTYPE)
+    if capacity < size:
+        return SparseStream(positions, values, nnz, size)
+    go_dense = count >= dense_threshold(size, delta)
+    dense_idx, dense_val = _padded_dense(x, capacity)
+    return SparseStream(
+        jnp.where(go_dense, dense_idx, positions),
+        jnp.where(go_dense, dense_val, values),
+        jnp.where(go_dense, size, nnz).astype(INDEX_DTYPE),
+        size,
+    )
 
 
-def scatter_add(s, dense):
-    valid = jnp.arange(s.capacity) < s.nnz
-    return dense.at[s.indices].add(jnp.where(valid, s.values, 0.0), mode="drop")
+# --------------------------------------------------------------------------------------------
+# scatter_add
+
+
+def scatter_add(stream: SparseStream, dense: jax.Array) -> jax.Array:
+    """``dense + stream`` as a float32[size] vector (``stream.to_dense()`` is ``scatter_add(stream, 0)``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import from_dense, scatter_add
+      >>> s = from_dense(jnp.array([0., 2., 0., 0., 0., 0., 5., 0.]), capacity=3)
+      >>> scatter_add(s, jnp.ones(8)).tolist()
+      [1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 6.0, 1.0]
+    """
+    check_stream(stream, "stream")
+    dense = check_vector(dense, "dense")
+    _check_dense_size(stream, dense)
+
+    def ffi_impl(stream, dense):
+        _lib.register_cpu_target(_SCATTER_ADD, "SparcmlScatterAdd")
+        out = jax.ShapeDtypeStruct((stream.size,), VALUE_DTYPE)
+        # dense is updated in place (the kernel handles out == dense).
+        return jax.ffi.ffi_call(_SCATTER_ADD, out, vmap_method="sequential", input_output_aliases={3: 0})(
+            stream.indices, stream.values, stream.nnz, dense
+        )
+
+    return on_cpu_or_reference(ffi_impl, scatter_add_reference, stream, dense)
+
+
+def scatter_add_reference(stream: SparseStream, dense: jax.Array) -> jax.Array:
+    """Pure-jnp :func:`scatter_add` (no validation; pairs past ``nnz`` are ignored)."""
+    valid = jnp.arange(stream.capacity) < stream.nnz
+    where = jnp.where(valid, stream.indices, stream.size)
+    return dense.at[where].add(jnp.where(valid, stream.values, 0.0), mode="drop")
+
+
+# --------------------------------------------------------------------------------------------
+# partition_bounds / split
+
+
+def partition_bounds(size: int, parts: int) -> np.ndarray:
+    """Static int64[parts + 1] bounds: part ``r`` covers ``[bounds[r], bounds[r + 1])``.
+
+    Every part has ``size // parts`` entries and the last one also takes the remainder, as in
+    SparCML. With ``parts > size`` all parts but the last are empty.
+
+    Example:
+      >>> from sparcml_jax import partition_bounds
+      >>> partition_bounds(10, 3).tolist()
+      [0, 3, 6, 10]
+    """
+    size = check_size(size)
+    parts = _check_count(parts, "parts", 1)
+    bounds = np.arange(parts + 1, dtype=np.int64) * (size // parts)
+    bounds[-1] = size
+    return bounds
+
+
+def split(stream: SparseStream, parts: int) -> jax.Array:
+    """int32[parts + 1] offsets into the stream's pairs: pairs ``offsets[r]:offsets[r + 1]`` fall in part ``r``.
+
+    The parts are those of :func:`partition_bounds`; for a dense stream the offsets equal the
+    bounds. This is the split phase of SparCML's ``SSAR_Split_allgather`` and
+    ``DSAR_Split_allgather``: pairs of part ``r`` go to rank ``r``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import from_dense, split
+      >>> s = from_dense(jnp.array([1., 0., 0., 2., 0., 0., 0., 0., 0., 3.]), capacity=4)
+      >>> split(s, 3).tolist()  # parts [0, 3), [3, 6), [6, 10)
+      [0, 1, 2, 3]
+    """
+    check_stream(stream, "stream")
+    parts = _check_count(parts, "parts", 1)
+    size = stream.size
+
+    def ffi_impl(stream):
+        _lib.register_cpu_target(_SPLIT, "SparcmlSplit")
+        out = jax.ShapeDtypeStruct((parts + 1,), INDEX_DTYPE)
+        return jax.ffi.ffi_call(_SPLIT, out, vmap_method="sequential")(stream.indices, stream.nnz, n=attr_i64(size))
+
+    def reference(stream):
+        return split_reference(stream, parts)
+
+    return on_cpu_or_reference(ffi_impl, reference, stream)
+
+
+def split_reference(stream: SparseStream, parts: int) -> jax.Array:
+    """Pure-jnp :func:`split` (no validation): a sorted search of the part bounds."""
+    bounds = jnp.asarray(partition_bounds(stream.size, parts).astype(np.int32))
+    valid = jnp.arange(stream.capacity) < stream.nnz
+    keys = jnp.where(valid, stream.indices, stream.size)
+    return jnp.searchsorted(keys, bounds, side="left").astype(INDEX_DTYPE)
+
+
+# --------------------------------------------------------------------------------------------
+# gather
+
+
+def gather(dense: jax.Array, indices: jax.Array, nnz: Any) -> SparseStream:
+    """The stream of pairs ``(indices[i], dense[indices[i]])`` for ``i < nnz``.
+
+    ``indices`` (int32[capacity]) must be strictly increasing in ``[0, dense.size)`` over its
+    first ``nnz`` entries (checked at run time); entries past ``nnz`` are ignored and the result
+    is tail padded. ``nnz == dense.size`` yields the dense representation.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import gather
+      >>> s = gather(jnp.arange(6.0), jnp.array([1, 4, 0], jnp.int32), 2)
+      >>> s.indices.tolist(), s.values.tolist(), int(s.nnz)
+      ([1, 4, 6], [1.0, 4.0, 0.0], 2)
+    """
+    dense = check_vector(dense, "dense")
+    size = check_size(dense.shape[0], "dense.size")
+    indices = check_vector(indices, "indices", INDEX_DTYPE)
+    if jnp.ndim(nnz) != 0 or not jnp.issubdtype(jnp.result_type(nnz), jnp.integer):
+        raise TypeError(f"nnz must be an integer scalar, got shape {jnp.shape(nnz)} and dtype {jnp.result_type(nnz)}")
+    nnz = scalar_i32(nnz)
+    capacity = indices.shape[0]
+
+    def ffi_impl(dense, indices, nnz):
+        _lib.register_cpu_target(_GATHER, "SparcmlGather")
+        out = (jax.ShapeDtypeStruct((capacity,), INDEX_DTYPE), jax.ShapeDtypeStruct((capacity,), VALUE_DTYPE))
+        idx, val = jax.ffi.ffi_call(_GATHER, out, vmap_method="sequential")(dense, indices, nnz)
+        return SparseStream(idx, val, nnz, size)
+
+    return on_cpu_or_reference(ffi_impl, gather_reference, dense, indices, nnz)
+
+
+def gather_reference(dense: jax.Array, indices: jax.Array, nnz: Any) -> SparseStream:
+    """Pure-jnp :func:`gather` (no validation)."""
+    size = dense.shape[0]
+    capacity = indices.shape[0]
+    nnz = scalar_i32(nnz)
+    valid = jnp.arange(capacity) < nnz
+    positions = jnp.where(valid, indices, size).astype(INDEX_DTYPE)
+    values = _take_or_zero(dense, positions)
+    if capacity < size:
+        return SparseStream(positions, values, nnz, size)
+    dense_idx, dense_val = _padded_dense(dense, capacity)
+    is_dense = nnz == size
+    return SparseStream(jnp.where(is_dense, dense_idx, positions), jnp.where(is_dense, dense_val, values), nnz, size)
+
+
+__all__ = [
+    "from_dense",
+    "from_dense_reference",
+    "gather",
+    "gather_reference",
+    "partition_bounds",
+    "scatter_add",
+    "scatter_add_reference",
+    "split",
+    "split_reference",
+]

@@ -1,0 +1,79 @@
+#include "ffi_common.h"
+#include "partition.h"
+
+namespace {
+
+ffi::Error FromDenseImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out_idx,
+                         ffi::ResultBuffer<ffi::F32> out_val, ffi::ResultBufferR0<ffi::S32> out_nnz,
+                         int64_t dense_threshold) {
+  char err[SPARCML_ERRLEN] = {0};
+  int64_t nnz = 0;
+  int status = sparcml_from_dense(x.typed_data(), static_cast<int64_t>(x.element_count()), dense_threshold,
+                                  out_idx->typed_data(), out_val->typed_data(),
+                                  static_cast<int64_t>(out_idx->element_count()), &nnz, err);
+  out_nnz->typed_data()[0] = static_cast<int32_t>(nnz);
+  return sparcml::KernelError(status, err);
+}
+
+ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                          ffi::Buffer<ffi::F32> dense, ffi::ResultBuffer<ffi::F32> out) {
+  char err[SPARCML_ERRLEN] = {0};
+  int status = sparcml_scatter_add(idx.typed_data(), val.typed_data(), nnz.typed_data()[0],
+                                   static_cast<int64_t>(idx.element_count()), dense.typed_data(),
+                                   static_cast<int64_t>(dense.element_count()), out->typed_data(), err);
+  return sparcml::KernelError(status, err);
+}
+
+ffi::Error SplitImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, ffi::ResultBuffer<ffi::S32> offsets,
+                     int64_t n) {
+  char err[SPARCML_ERRLEN] = {0};
+  int status = sparcml_split(idx.typed_data(), nnz.typed_data()[0], static_cast<int64_t>(idx.element_count()), n,
+                             static_cast<int64_t>(offsets->element_count()) - 1, offsets->typed_data(), err);
+  return sparcml::KernelError(status, err);
+}
+
+ffi::Error GatherImpl(ffi::Buffer<ffi::F32> dense, ffi::Buffer<ffi::S32> indices, ffi::BufferR0<ffi::S32> nnz,
+                      ffi::ResultBuffer<ffi::S32> out_idx, ffi::ResultBuffer<ffi::F32> out_val) {
+  char err[SPARCML_ERRLEN] = {0};
+  int status = sparcml_gather(dense.typed_data(), static_cast<int64_t>(dense.element_count()), indices.typed_data(),
+                              nnz.typed_data()[0], static_cast<int64_t>(indices.element_count()),
+                              out_idx->typed_data(), out_val->typed_data(), err);
+  return sparcml::KernelError(status, err);
+}
+
+}  // namespace
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlFromDense(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlFromDense, FromDenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("dense_threshold"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlScatterAdd(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlScatterAdd, ScatterAddImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlSplit(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlSplit, SplitImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("n"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlGather(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlGather, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,362 @@
+// Native MPI transport: variable-length messages carry only the valid entries (SparCML §5).
+// Every handler takes and returns an XLA token: Python puts them on mpi4jax's ordered effect,
+// so one token chain orders all MPI calls of a program.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "merge.h"
+#include "mpi_wire.h"
+
+namespace {
+
+using sparcml::Header;
+using sparcml::Segment;
+using sparcml::Status;
+
+int64_t DenseThreshold(int64_t size, double delta) {
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(delta * size * 4 / 8)));
+}
+
+struct Range {
+  int64_t lo, hi;
+};
+Range PartOf(int64_t n, int parts, int r) {
+  int64_t width = n / parts;
+  return {r * width, r == parts - 1 ? n : (r + 1) * width};
+}
+
+// Writes a received segment into a stream buffer of capacity `cap` over a length-`length` range.
+void StoreSegment(const Segment& s, int64_t length, int32_t* idx, float* val, int64_t cap, int32_t* nnz,
+                  Status* status) {
+  int64_t count = s.header.count;
+  if (count > cap) {
+    sparcml::SetError(status, sparcml::kOverflow,
+                      "received " + std::to_string(count) + " entries but the receive capacity is " +
+                          std::to_string(cap));
+    count = 0;
+  } else if (s.header.dense) {
+    std::memcpy(val, s.val, count * sizeof(float));
+    for (int64_t i = 0; i < count; ++i) idx[i] = static_cast<int32_t>(i);
+  } else if (count > 0) {
+    std::memcpy(idx, s.idx, count * sizeof(int32_t));
+    std::memcpy(val, s.val, count * sizeof(float));
+  }
+  sparcml_pad_tail(idx, val, count, cap, length);
+  *nnz = static_cast<int32_t>(count);
+}
+
+Status Incoming(Status local, const Segment& s) {
+  if (local != sparcml::kOk) return local;
+  if (s.header.status != sparcml::kOk) {
+    sparcml::LastError() = "a peer rank failed earlier in this collective";
+    return sparcml::kPeerFailed;
+  }
+  return sparcml::kOk;
+}
+
+// --- exchange: the step of SSAR recursive doubling, and the fold / unfold of non-powers of two.
+ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                        ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> ridx,
+                        ffi::ResultBuffer<ffi::F32> rval, ffi::ResultBufferR0<ffi::S32> rnnz,
+                        ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
+                        ffi::Result<ffi::Token>, int64_t comm_handle, int64_t dest, int64_t source, int64_t tag,
+                        int64_t n) {
+  MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  Status status = static_cast<Status>(status_in.typed_data()[0]);
+  int64_t count = nnz.typed_data()[0];
+  std::vector<char> message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n,
+                                                   count == n, status, /*delta=*/1e300);
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, sparcml::Peer(dest), static_cast<int>(tag),
+            comm, &request);
+  std::vector<char> received = sparcml::ReceiveAny(comm, sparcml::Peer(source), static_cast<int>(tag), nullptr);
+  MPI_Wait(&request, MPI_STATUS_IGNORE);
+
+  Segment s = sparcml::UnpackSegment(received);
+  status = Incoming(status, s);
+  if (status != sparcml::kOk) s.header.count = 0;
+  StoreSegment(s, n, ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(ridx->element_count()),
+               rnnz->typed_data(), &status);
+  status_out->typed_data()[0] = status;
+  bytes_sent->typed_data()[0] = dest < 0 ? 0.0f : static_cast<float>(message.size() - sizeof(Header));
+  return ffi::Error::Success();
+}
+
+// --- reduce-scatter: the split phase of SSAR/DSAR_Split_allgather. Rank r sends the pairs of
+// range r to rank r and sums what it receives for its own range, in rank order.
+ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                             ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> pidx,
+                             ffi::ResultBuffer<ffi::F32> pval, ffi::ResultBufferR0<ffi::S32> pnnz,
+                             ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
+                             ffi::Result<ffi::Token>, int64_t comm_handle, int64_t tag, int64_t n, double delta) {
+  MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  int parts, me;
+  MPI_Comm_size(comm, &parts);
+  MPI_Comm_rank(comm, &me);
+  Status status = static_cast<Status>(status_in.typed_data()[0]);
+  const int32_t* in_idx = idx.typed_data();
+  const float* in_val = val.typed_data();
+  int64_t count = nnz.typed_data()[0];
+  bool in_dense = count == n;
+
+  std::vector<std::vector<char>> messages(parts);
+  std::vector<MPI_Request> requests;
+  double sent = 0;
+  for (int r = 0; r < parts; ++r) {
+    Range range = PartOf(n, parts, r);
+    int64_t begin = in_dense ? range.lo : std::lower_bound(in_idx, in_idx + count, range.lo) - in_idx;
+    int64_t end = in_dense ? range.hi : std::lower_bound(in_idx, in_idx + count, range.hi) - in_idx;
+    messages[r] = sparcml::PackSegment(in_idx, in_val, begin, end, range.lo, range.hi - range.lo, in_dense, status,
+                                       delta);
+    if (r == me) continue;
+    requests.emplace_back();
+    MPI_Isend(messages[r].data(), static_cast<int>(messages[r].size()), MPI_BYTE, r, static_cast<int>(tag), comm,
+              &requests.back());
+    sent += messages[r].size() - sizeof(Header);
+  }
+  std::vector<std::vector<char>> received(parts);
+  for (int i = 0; i < parts - 1; ++i) {
+    int source = 0;
+    std::vector<char> buffer = sparcml::ReceiveAny(comm, MPI_ANY_SOURCE, static_cast<int>(tag), &source);
+    received[source] = std::move(buffer);
+  }
+  received[me] = std::move(messages[me]);
+  MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+
+  Range mine = PartOf(n, parts, me);
+  int64_t length = mine.hi - mine.lo, threshold = DenseThreshold(length, delta);
+  std::vector<int32_t> acc_idx(length), tmp_idx(length);
+  std::vector<float> acc_val(length), tmp_val(length);
+  int64_t acc_nnz = 0;
+  char err[SPARCML_ERRLEN] = {0};
+  for (int r = 0; r < parts; ++r) {
+    Segment s = sparcml::UnpackSegment(received[r]);
+    status = Incoming(status, s);
+    if (status != sparcml::kOk) break;
+    int64_t merged = 0;
+    // A dense segment has nnz == length; merge never reads its indices.
+    if (sparcml_merge(acc_idx.data(), acc_val.data(), acc_nnz, length, s.idx, s.val, s.header.count,
+                      s.header.count, length, threshold, tmp_idx.data(), tmp_val.data(), length, &merged, err)) {
+      sparcml::SetError(&status, sparcml::kBadInput, err);
+      break;
+    }
+    std::swap(acc_idx, tmp_idx);
+    std::swap(acc_val, tmp_val);
+    acc_nnz = merged;
+  }
+  if (status != sparcml::kOk) acc_nnz = 0;
+  Segment result;
+  result.header = Header{sparcml::kOk, static_cast<int32_t>(acc_nnz), acc_nnz == length, 0};
+  result.idx = acc_idx.data();
+  result.val = acc_val.data();
+  StoreSegment(result, length, pidx->typed_data(), pval->typed_data(), static_cast<int64_t>(pidx->element_count()),
+               pnnz->typed_data(), &status);
+  status_out->typed_data()[0] = status;
+  bytes_sent->typed_data()[0] = static_cast<float>(sent);
+  return ffi::Error::Success();
+}
+
+// --- allgather: every rank contributes the stream of its own range; the result concatenates them.
+ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval, ffi::BufferR0<ffi::S32> pnnz,
+                         ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> oidx,
+                         ffi::ResultBuffer<ffi::F32> oval, ffi::ResultBufferR0<ffi::S32> onnz,
+                         ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
+                         ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n, double delta) {
+  MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  int parts, me;
+  MPI_Comm_size(comm, &parts);
+  MPI_Comm_rank(comm, &me);
+  Status status = static_cast<Status>(status_in.typed_data()[0]);
+  Range mine = PartOf(n, parts, me);
+  int64_t length = mine.hi - mine.lo, count = pnnz.typed_data()[0];
+  std::vector<char> message = sparcml::PackSegment(pidx.typed_data(), pval.typed_data(), 0, count, 0, length,
+                                                   count == length, status, delta);
+  int my_bytes = static_cast<int>(message.size());
+  std::vector<int> sizes(parts), displs(parts + 1, 0);
+  MPI_Allgather(&my_bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
+  for (int r = 0; r < parts; ++r) displs[r + 1] = displs[r] + sizes[r];
+  std::vector<char> all(displs[parts]);
+  MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
+
+  std::vector<Segment> segments(parts);
+  int64_t total = 0;
+  for (int r = 0; r < parts; ++r) {
+    std::vector<char> one(all.begin() + displs[r], all.begin() + displs[r + 1]);
+    Header h;
+    std::memcpy(&h, one.data(), sizeof h);
+    if (h.status != sparcml::kOk && status == sparcml::kOk) {
+      status = sparcml::kPeerFailed;
+      sparcml::LastError() = "a peer rank failed earlier in this collective";
+    }
+    segments[r].header = h;
+    const char* p = all.data() + displs[r] + sizeof(Header);
+    segments[r].val = reinterpret_cast<const float*>(h.dense ? p : p + h.count * sizeof(int32_t));
+    segments[r].idx = h.dense ? nullptr : reinterpret_cast<const int32_t*>(p);
+    total += h.count;
+  }
+  int32_t* out_idx = oidx->typed_data();
+  float* out_val = oval->typed_data();
+  int64_t cap = static_cast<int64_t>(oidx->element_count());
+  int64_t out_nnz = 0;
+  if (status == sparcml::kOk && total >= DenseThreshold(n, delta) && cap >= n) {
+    std::memset(out_val, 0, n * sizeof(float));
+    for (int r = 0; r < parts; ++r) {
+      Range range = PartOf(n, parts, r);
+      const Segment& s = segments[r];
+      if (s.header.dense) {
+        std::memcpy(out_val + range.lo, s.val, s.header.count * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < s.header.count; ++j) out_val[range.lo + s.idx[j]] = s.val[j];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) out_idx[i] = static_cast<int32_t>(i);
+    out_nnz = n;
+  } else if (status == sparcml::kOk && total > cap) {
+    sparcml::SetError(&status, sparcml::kOverflow,
+                      "allgather: " + std::to_string(total) + " entries exceed the result capacity " +
+                          std::to_string(cap));
+  } else if (status == sparcml::kOk) {
+    for (int r = 0; r < parts; ++r) {
+      Range range = PartOf(n, parts, r);
+      const Segment& s = segments[r];
+      for (int64_t j = 0; j < s.header.count; ++j) {
+        out_idx[out_nnz] = static_cast<int32_t>(range.lo + (s.header.dense ? j : s.idx[j]));
+        out_val[out_nnz++] = s.val[j];
+      }
+    }
+  }
+  sparcml_pad_tail(out_idx, out_val, out_nnz, cap, n);
+  onnz->typed_data()[0] = static_cast<int32_t>(out_nnz);
+  status_out->typed_data()[0] = status;
+  bytes_sent->typed_data()[0] = static_cast<float>((message.size() - sizeof(Header)) * (parts - 1));
+  return ffi::Error::Success();
+}
+
+// --- allgather of whole streams (any indices): row r of the result is rank r's stream.
+ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                             ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> oidx,
+                             ffi::ResultBuffer<ffi::F32> oval, ffi::ResultBuffer<ffi::S32> onnz,
+                             ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
+                             ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n) {
+  MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  int parts;
+  MPI_Comm_size(comm, &parts);
+  Status status = static_cast<Status>(status_in.typed_data()[0]);
+  int64_t count = nnz.typed_data()[0], cap = static_cast<int64_t>(idx.element_count());
+  std::vector<char> message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n, count == n,
+                                                   status, /*delta=*/1e300);
+  int my_bytes = static_cast<int>(message.size());
+  std::vector<int> sizes(parts), displs(parts + 1, 0);
+  MPI_Allgather(&my_bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
+  for (int r = 0; r < parts; ++r) displs[r + 1] = displs[r] + sizes[r];
+  std::vector<char> all(displs[parts]);
+  MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
+  for (int r = 0; r < parts; ++r) {
+    std::vector<char> one(all.begin() + displs[r], all.begin() + displs[r + 1]);
+    Segment s = sparcml::UnpackSegment(one);
+    status = Incoming(status, s);
+    if (status != sparcml::kOk) s.header.count = 0;
+    StoreSegment(s, n, oidx->typed_data() + r * cap, oval->typed_data() + r * cap, cap, onnz->typed_data() + r,
+                 &status);
+  }
+  status_out->typed_data()[0] = status;
+  bytes_sent->typed_data()[0] = static_cast<float>((message.size() - sizeof(Header)) * (parts - 1));
+  return ffi::Error::Success();
+}
+
+// --- summary: validates the local stream and agrees on counts before anything is sent, so a bad
+// input on one rank makes every rank raise instead of leaving peers blocked.
+ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, ffi::Token,
+                       ffi::ResultBuffer<ffi::S32> summary, ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n) {
+  MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  char err[SPARCML_ERRLEN] = {0};
+  int64_t count = nnz.typed_data()[0];
+  int bad = sparcml_check_stream("stream", idx.typed_data(), count, static_cast<int64_t>(idx.element_count()), n, err);
+  // {any rank bad, max nnz, -min nnz, sum of nnz (saturating is not needed: nnz <= n < 2^31 per rank)}
+  long long local[4] = {bad, bad ? 0 : count, bad ? 0 : -count, bad ? 0 : count};
+  long long global[4];
+  MPI_Allreduce(local, global, 3, MPI_LONG_LONG, MPI_MAX, comm);
+  MPI_Allreduce(local + 3, global + 3, 1, MPI_LONG_LONG, MPI_SUM, comm);
+  int rank;
+  MPI_Comm_rank(comm, &rank);
+  if (bad) return ffi::Error::InvalidArgument("rank " + std::to_string(rank) + ": " + err);
+  if (global[0]) return ffi::Error::InvalidArgument("invalid input stream on another rank (see that rank's error)");
+  int32_t* out = summary->typed_data();
+  out[0] = static_cast<int32_t>(global[1]);
+  out[1] = static_cast<int32_t>(-global[2]);
+  out[2] = static_cast<int32_t>(std::min<long long>(global[3], INT32_MAX));
+  return ffi::Error::Success();
+}
+
+// --- check: the last step of every collective; all ranks raise when any rank failed.
+ffi::Error CheckImpl(ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::Result<ffi::Token>, int64_t comm_handle) {
+  MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  int local = status_in.typed_data()[0], global = 0, rank = 0;
+  MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MAX, comm);
+  MPI_Comm_rank(comm, &rank);
+  if (global == sparcml::kOk) return ffi::Error::Success();
+  std::string why = local != sparcml::kOk ? sparcml::LastError() : "another rank failed (see its error)";
+  return ffi::Error(ffi::ErrorCode::kOutOfRange, "sparse collective failed on rank " + std::to_string(rank) + ": " + why);
+}
+
+}  // namespace
+
+#define STREAM_IN                                                                                \
+  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::BufferR0<ffi::S32>>().Arg< \
+      ffi::BufferR0<ffi::S32>>().Arg<ffi::Token>()
+#define STREAM_OUT                                                                               \
+  .Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret< \
+      ffi::BufferR0<ffi::S32>>().Ret<ffi::BufferR0<ffi::F32>>().Ret<ffi::Token>()
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiExchange(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiExchange, ExchangeImpl,
+                              ffi::Ffi::Bind() STREAM_IN STREAM_OUT.Attr<int64_t>("comm")
+                                  .Attr<int64_t>("dest")
+                                  .Attr<int64_t>("source")
+                                  .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("n"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiReduceScatter(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiReduceScatter, ReduceScatterImpl,
+                              ffi::Ffi::Bind() STREAM_IN STREAM_OUT.Attr<int64_t>("comm")
+                                  .Attr<int64_t>("tag")
+                                  .Attr<int64_t>("n")
+                                  .Attr<double>("delta"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiAllgather(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiAllgather, AllgatherImpl,
+                              ffi::Ffi::Bind() STREAM_IN STREAM_OUT.Attr<int64_t>("comm")
+                                  .Attr<int64_t>("n")
+                                  .Attr<double>("delta"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiGatherStreams(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiGatherStreams, GatherStreamsImpl,
+                              ffi::Ffi::Bind() STREAM_IN.Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Ret<ffi::BufferR0<ffi::F32>>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("n"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiSummary(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiSummary, SummaryImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("n"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiCheck(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiCheck, CheckImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Token>()
+                                  .Ret<ffi::Token>()
+                                  .Attr<int64_t>("comm"));

@@ -1,0 +1,79 @@
+#include "mpi_wire.h"
+
+namespace sparcml {
+
+std::string& LastError() {
+  static std::string message;
+  return message;
+}
+
+void SetError(Status* status, Status code, const std::string& message) {
+  if (*status == kOk) {
+    *status = code;
+    LastError() = message;
+  }
+}
+
+std::vector<char> PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t end, int64_t offset,
+                              int64_t length, bool source_dense, int32_t status, double delta) {
+  Header h{status, 0, 0, 0};
+  if (status != kOk) {
+    std::vector<char> out(sizeof(Header));
+    std::memcpy(out.data(), &h, sizeof h);
+    return out;
+  }
+  int64_t count = end - begin;
+  // SparCML's rule: pairs cost 8 bytes, dense values 4; switch once pairs are no cheaper.
+  bool dense = source_dense || (length > 0 && count * 8 >= delta * length * 4);
+  h.dense = dense;
+  h.count = static_cast<int32_t>(dense ? length : count);
+  size_t payload = dense ? length * sizeof(float) : count * (sizeof(int32_t) + sizeof(float));
+  std::vector<char> out(sizeof(Header) + payload);
+  std::memcpy(out.data(), &h, sizeof h);
+  char* p = out.data() + sizeof(Header);
+  if (dense) {
+    float* d = reinterpret_cast<float*>(p);
+    if (source_dense) {
+      std::memcpy(d, val + offset, length * sizeof(float));
+    } else {
+      std::memset(d, 0, length * sizeof(float));
+      for (int64_t j = begin; j < end; ++j) d[idx[j] - offset] = val[j];
+    }
+  } else {
+    int32_t* oi = reinterpret_cast<int32_t*>(p);
+    for (int64_t j = begin; j < end; ++j) oi[j - begin] = static_cast<int32_t>(idx[j] - offset);
+    std::memcpy(p + count * sizeof(int32_t), val + begin, count * sizeof(float));
+  }
+  return out;
+}
+
+Segment UnpackSegment(const std::vector<char>& buffer) {
+  Segment s;
+  if (buffer.size() < sizeof(Header)) {
+    s.header.status = kOk;  // MPI_PROC_NULL: nothing arrived
+    return s;
+  }
+  std::memcpy(&s.header, buffer.data(), sizeof(Header));
+  const char* p = buffer.data() + sizeof(Header);
+  if (s.header.dense) {
+    s.val = reinterpret_cast<const float*>(p);
+  } else {
+    s.idx = reinterpret_cast<const int32_t*>(p);
+    s.val = reinterpret_cast<const float*>(p + s.header.count * sizeof(int32_t));
+  }
+  return s;
+}
+
+std::vector<char> ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {
+  MPI_Message message;
+  MPI_Status st;
+  MPI_Mprobe(source, tag, comm, &message, &st);
+  int bytes = 0;
+  MPI_Get_count(&st, MPI_BYTE, &bytes);
+  std::vector<char> buffer(bytes);
+  MPI_Mrecv(buffer.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
+  if (actual_source) *actual_source = st.MPI_SOURCE;
+  return buffer;
+}
+
+}  // namespace sparcml

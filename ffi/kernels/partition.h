@@ -1,0 +1,43 @@
+/* Stream construction from a dense vector, scatter back into one, and SparCML's split phase
+ * (the first step of SSAR_Split_allgather and DSAR_Split_allgather, paper §4). */
+#ifndef SPARCML_PARTITION_H
+#define SPARCML_PARTITION_H
+
+#include "common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The nonzeros of x[0..n) (x != 0: NaN counts, -0.0 does not) in index order.
+ * The result is the dense representation when the count reaches dense_threshold and
+ * out_cap >= n; otherwise it stays sparse and a count above out_cap is an error.
+ * Output tail is padded (see common.h). */
+int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
+                       int64_t out_cap, int64_t *out_nnz, char *err);
+
+/* out = dense + stream over a length-n vector; the stream may be dense (nnz == n).
+ * out may equal dense (in place). */
+int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, const float *dense,
+                        int64_t n, float *out, char *err);
+
+/* First index of part r when [0, n) is split into parts ranges: part r covers
+ * [r * (n / parts), (r + 1) * (n / parts)), the last part also takes the remainder.
+ * Defined for 0 <= r <= parts (r == parts gives n). */
+int64_t sparcml_part_start(int64_t n, int64_t parts, int64_t r);
+
+/* offsets[0..parts] into the stream's pairs: pairs offsets[r]..offsets[r+1] fall in part r
+ * (see sparcml_part_start). For a dense stream the offsets equal the part bounds. */
+int sparcml_split(const int32_t *idx, int64_t nnz, int64_t cap, int64_t n, int64_t parts, int32_t *offsets,
+                  char *err);
+
+/* The stream of pairs (indices[i], dense[indices[i]]) for i < nnz, in buffers of capacity cap.
+ * indices must be a valid stream support (sorted, unique, in [0, n)); nnz == n gives the
+ * dense representation. Output tail is padded. */
+int sparcml_gather(const float *dense, int64_t n, const int32_t *indices, int64_t nnz, int64_t cap,
+                   int32_t *out_idx, float *out_val, char *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,219 @@
+"""Sparse collectives: allreduce and allgather of sparse streams across MPI ranks (SparCML §5).
+
+Every function works inside ``jax.jit`` and outside it. Static choices (sizes, capacities,
+algorithm, transport) are checked collectively once per compiled signature, and every rank
+validates its stream before anything is sent, so a bad input raises on every rank instead of
+leaving peers blocked.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+from sparcml_jax.collectives._agree import agree, cost_model_for
+from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, Progress
+from sparcml_jax.collectives.cost_model import CostModel
+from sparcml_jax.collectives.dense import dense_allreduce, dense_as_stream
+from sparcml_jax.collectives.dsar_split_allgather import dsar_split_allgather
+from sparcml_jax.collectives.ssar_recursive_doubling import ssar_recursive_doubling
+from sparcml_jax.collectives.ssar_split_allgather import ssar_split_allgather
+from sparcml_jax.comm import get_transport, native, resolve_comm
+from sparcml_jax.comm.mpi4jax_transport import resize
+from sparcml_jax.comm.topology import grown_capacity
+from sparcml_jax.kernels._common import check_stream
+from sparcml_jax.kernels.merge import merge
+from sparcml_jax.stream import SparseStream
+
+__all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "sparse_allgather", "sparse_allreduce"]
+
+_QUANTIZE_BITS = (2, 4, 8)
+
+
+def _algorithm_fn(name: str) -> Callable:
+    return {
+        "dense": dense_as_stream,
+        "ssar_recursive_doubling": ssar_recursive_doubling,
+        "ssar_split_allgather": ssar_split_allgather,
+        "dsar_split_allgather": dsar_split_allgather,
+    }[name]
+
+
+def _run(name: str, s: SparseStream, plan: Plan, key) -> tuple[SparseStream, Progress]:
+    if name == "dsar_split_allgather":
+        return dsar_split_allgather(s, plan, key)
+    return _algorithm_fn(name)(s, plan)
+
+
+def sparse_allreduce(
+    stream: SparseStream,
+    *,
+    comm: MPI.Comm | None = None,
+    algorithm: str = "auto",
+    transport: str = "native",
+    delta: float = 1.0,
+    quantize_bits: int | None = None,
+    key: jax.Array | None = None,
+    bucket_size: int = 1024,
+    quantize_scale: str = "max",
+    cost_model: CostModel | None = None,
+    return_stats: bool = False,
+):
+    """Sum of every rank's stream; identical on every rank, dense where SparCML's rule says so.
+
+    Args:
+      stream: this rank's :class:`SparseStream`; every rank passes the same ``size`` and capacity.
+      comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      algorithm: ``"auto"`` (alpha-beta cost model, §5.3), ``"ssar_recursive_doubling"``,
+        ``"ssar_split_allgather"``, ``"dsar_split_allgather"`` or ``"dense"``.
+      transport: ``"native"`` (our MPI ops: only valid entries travel) or ``"mpi4jax"``
+        (whole static buffers).
+      delta: dense switch threshold: dense once ``8 nnz >= delta * 4 size``.
+      quantize_bits: QSGD bits (2, 4, 8) for DSAR's dense allgather phase (§6); needs ``key``.
+      key: PRNG key for QSGD; pass a fresh one every step.
+      bucket_size, quantize_scale: QSGD bucket length and scale kind (``"max"`` or ``"l2"``).
+      cost_model: alpha and beta for ``"auto"``; measured once per communicator if ``None``.
+      return_stats: also return :class:`AllreduceStats`.
+
+    Example (under ``mpirun -n P``; one process returns its input):
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> from sparcml_jax import SparseStream, sparse_allreduce
+      >>> x = jnp.zeros(8).at[MPI.COMM_WORLD.rank % 8].set(1.0)
+      >>> total = sparse_allreduce(SparseStream.from_dense(x, capacity=1))
+      >>> float(total.to_dense().sum()) == MPI.COMM_WORLD.size
+      True
+    """
+    check_stream(stream, "stream")
+    comm = resolve_comm(comm)
+    t = get_transport(transport)
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+    if quantize_bits is not None:
+        if quantize_bits not in _QUANTIZE_BITS:
+            raise ValueError(f"quantize_bits must be one of {_QUANTIZE_BITS} or None, got {quantize_bits!r}")
+        if algorithm not in ("auto", "dsar_split_allgather"):
+            raise ValueError(
+                f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), not {algorithm!r}"
+            )
+        if key is None:
+            raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
+    if cost_model is None and algorithm == "auto":
+        cost_model = cost_model_for(comm)
+    plan = Plan(comm, t, float(delta), quantize_bits, int(bucket_size), quantize_scale)
+    fn = _compiled(plan, algorithm, cost_model)
+    key = jnp.zeros((2,), jnp.uint32) if key is None else key
+    result, stats = fn(stream, key)
+    return (result, stats) if return_stats else result
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(plan: Plan, algorithm: str, cost_model: CostModel | None):
+    @jax.jit
+    def run(stream: SparseStream, key):
+        _agree_on(plan, algorithm, stream)
+        # Validates every rank's stream (all raise together) and agrees on the largest nnz.
+        summary = native.summary(stream, comm=plan.comm)
+        name = algorithm if algorithm != "auto" else _static_choice(plan, stream, cost_model)
+        if name is not None:
+            result, progress = _run(name, stream, plan, key)
+            code = jnp.int32(ALGORITHMS.index(name))
+        else:
+            result, progress, code = _dynamic_choice(plan, stream, cost_model, key, max_nnz=summary[0])
+        native.check(progress.status, comm=plan.comm)
+        return result, AllreduceStats(code, progress.bytes_sent, result.nnz, progress.dense_round)
+
+    return run
+
+
+def _agree_on(plan: Plan, algorithm: str, s: SparseStream) -> None:
+    agree(plan.comm, "sparse_allreduce", {
+        "size": s.size, "capacity": s.capacity, "dtype": str(s.values.dtype), "algorithm": algorithm,
+        "transport": plan.transport.NAME, "delta": plan.delta, "quantize_bits": plan.quantize_bits,
+        "bucket_size": plan.bucket_size, "quantize_scale": plan.quantize_scale,
+    })
+
+
+def _candidates(plan: Plan) -> tuple[str, ...]:
+    return ALGORITHMS
+
+
+def _predict(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, xp):
+    return cost_model.predict(name, size=s.size, nnz=nnz, nprocs=plan.nprocs, transport=plan.transport.NAME,
+                              capacity=s.capacity, quantize_bits=plan.quantize_bits if name.startswith("dsar") else None,
+                              xp=xp)
+
+
+def _static_choice(plan: Plan, s: SparseStream, cost_model: CostModel) -> str | None:
+    """The best algorithm priced at nnz = capacity, if it is sparse; fewer nonzeros only favour it more.
+
+    Otherwise (a capacity near the dense size says little about the actual count) returns None and
+    the choice is made at run time on the global nnz.
+    """
+    costs = {name: float(_predict(cost_model, plan, s, name, s.capacity, np)) for name in _candidates(plan)}
+    best = min(costs, key=costs.get)
+    return best if best.startswith("ssar") else None
+
+
+def _dynamic_choice(plan: Plan, s: SparseStream, cost_model: CostModel, key, max_nnz):
+    """Chooses on the largest actual nnz over ranks (identical everywhere) and switches at run time."""
+    max_nnz = max_nnz.astype(jnp.float32)
+    costs = jnp.stack([_predict(cost_model, plan, s, name, max_nnz, jnp) for name in ALGORITHMS])
+    choice = jnp.argmin(costs).astype(jnp.int32)
+    capacity = s.size
+
+    def branch(name):
+        def go(stream, key):
+            result, progress = _run(name, stream, plan, key)
+            return resize(result, capacity), progress
+
+        return go
+
+    result, progress = jax.lax.switch(choice, [branch(name) for name in ALGORITHMS], s, key)
+    return result, progress, choice
+
+
+def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, transport: str = "native",
+                     delta: float = 1.0, return_stats: bool = False):
+    """Union of every rank's stream (indices should be disjoint across ranks; overlaps are summed).
+
+    This is also the naive "allgather, then sum" allreduce of DGC and GRACE.
+
+    Example (under ``mpirun -n P``):
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> from sparcml_jax import SparseStream, sparse_allgather
+      >>> rank, size = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+      >>> mine = SparseStream.from_dense(jnp.zeros(2 * size).at[2 * rank].set(rank + 1.0), capacity=1)
+      >>> sparse_allgather(mine).to_dense()[::2].tolist() == [r + 1.0 for r in range(size)]
+      True
+    """
+    check_stream(stream, "stream")
+    comm = resolve_comm(comm)
+    plan = Plan(comm, get_transport(transport), float(delta))
+    result, stats = _compiled_allgather(plan)(stream)
+    return (result, stats) if return_stats else result
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_allgather(plan: Plan):
+    @jax.jit
+    def run(s: SparseStream):
+        agree(plan.comm, "sparse_allgather", {"size": s.size, "capacity": s.capacity, "transport": plan.transport.NAME,
+                                              "delta": plan.delta})
+        native.summary(s, comm=plan.comm)
+        (idx, val, nnz), status, sent = plan.transport.gather_streams(s, status=jnp.int32(0), comm=plan.comm)
+        streams = [SparseStream(idx[r], val[r], nnz[r], s.size) for r in range(plan.nprocs)]
+        while len(streams) > 1:  # pairwise tree: log2 P levels of merges
+            paired = [merge(a, b, delta=plan.delta) for a, b in zip(streams[::2], streams[1::2])]
+            streams = paired + ([streams[-1]] if len(streams) % 2 else [])
+        result = resize(streams[0], grown_capacity(s.capacity, s.size, plan.nprocs, plan.delta))
+        native.check(status, comm=plan.comm)
+        return result, AllreduceStats(jnp.int32(-1), sent, result.nnz, jnp.int32(-1))
+
+    return run

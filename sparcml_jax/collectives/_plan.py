@@ -1,0 +1,68 @@
+"""What every algorithm needs to know about one call: static, identical on every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from mpi4py import MPI
+
+ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    # mpi4py communicators are unhashable: plans hash and compare by the communicator's handle.
+    comm: MPI.Comm = dataclasses.field(compare=False, hash=False)
+    transport: ModuleType
+    delta: float
+    quantize_bits: int | None = None
+    bucket_size: int = 1024
+    quantize_scale: str = "max"
+    comm_handle: int = -1
+
+    def __post_init__(self):
+        object.__setattr__(self, "comm_handle", self.comm.py2f())
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def nprocs(self) -> int:
+        return self.comm.Get_size()
+
+
+class AllreduceStats(NamedTuple):
+    """What one sparse allreduce did on this rank (a pytree of scalars, safe to return from jit).
+
+    Attributes:
+      algorithm: int32 index into ``ALGORITHMS``.
+      bytes_sent: float32 payload bytes this rank sent (headers excluded).
+      result_nnz: int32 entries of the result (``size`` when dense).
+      dense_round: int32 communication round after which this rank's data was dense, -1 if never.
+    """
+
+    algorithm: jax.Array
+    bytes_sent: jax.Array
+    result_nnz: jax.Array
+    dense_round: jax.Array
+
+
+class Progress(NamedTuple):
+    """Carried through an algorithm's rounds: error status, bytes sent, first dense round."""
+
+    status: jax.Array
+    bytes_sent: jax.Array
+    dense_round: jax.Array
+
+    @classmethod
+    def start(cls) -> "Progress":
+        return cls(jnp.int32(0), jnp.float32(0), jnp.int32(-1))
+
+    def after(self, round_index: int, status: jax.Array, sent: jax.Array, is_dense: jax.Array) -> "Progress":
+        first_dense = jnp.where((self.dense_round < 0) & is_dense, jnp.int32(round_index), self.dense_round)
+        return Progress(status, self.bytes_sent + sent, first_dense)

@@ -1,0 +1,166 @@
+"""mpi4jax transport: the same collectives from mpi4jax ops with static buffers.
+
+mpi4jax has no variable-length messages, so every message carries its whole static capacity:
+``[nnz, status, indices..., bitcast(values)...]`` as one int32 buffer. Once a stream's capacity
+reaches the dense length, it travels as the dense vector instead (4 bytes per entry, not 8).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import mpi4jax
+import numpy as np
+from mpi4py import MPI
+
+from sparcml_jax.comm.topology import part_bounds, part_length
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold
+
+NAME = "mpi4jax"
+_TAG_BASE = 0x5CB0
+_HEADER = 2
+
+
+def resize(s: SparseStream, capacity: int) -> SparseStream:
+    """Pads or truncates the buffers to ``capacity`` (the caller guarantees nnz fits)."""
+    extra = capacity - s.capacity
+    if extra >= 0:
+        return SparseStream(
+            jnp.concatenate([s.indices, jnp.full((extra,), s.size, INDEX_DTYPE)]),
+            jnp.concatenate([s.values, jnp.zeros((extra,), VALUE_DTYPE)]),
+            s.nnz,
+            s.size,
+        )
+    return SparseStream(s.indices[:capacity], s.values[:capacity], s.nnz, s.size)
+
+
+def _pack(idx: jax.Array, val: jax.Array, nnz, status) -> jax.Array:
+    header = jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.asarray(status, INDEX_DTYPE)])
+    return jnp.concatenate([header, idx, jax.lax.bitcast_convert_type(val, INDEX_DTYPE)])
+
+
+def _unpack(buf: jax.Array, capacity: int):
+    idx = buf[_HEADER:_HEADER + capacity]
+    val = jax.lax.bitcast_convert_type(buf[_HEADER + capacity:], VALUE_DTYPE)
+    return idx, val, buf[0], buf[1]
+
+
+def _dense_stream(values: jax.Array) -> SparseStream:
+    n = values.shape[0]
+    return SparseStream(jnp.arange(n, dtype=INDEX_DTYPE), values, jnp.int32(n), n)
+
+
+def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capacity: int, status: jax.Array,
+             comm: MPI.Comm, round: int = 0):
+    if dest is not None and source is not None and recv_capacity != s.capacity:
+        raise ValueError(f"mpi4jax transport: static exchange needs equal capacities ({s.capacity} != {recv_capacity})")
+    tag = _TAG_BASE + round
+    dense = recv_capacity >= s.size and s.capacity >= s.size
+    if dense:
+        payload = jnp.concatenate([jnp.stack([status, jnp.int32(0)]).astype(INDEX_DTYPE),
+                                   jax.lax.bitcast_convert_type(s.to_dense(), INDEX_DTYPE)])
+    else:
+        payload = _pack(s.indices, s.values, s.nnz, status)
+    template = jnp.zeros((_HEADER + (s.size if dense else 2 * recv_capacity),), INDEX_DTYPE)
+    if dest is not None and source is not None:
+        received = mpi4jax.sendrecv(payload, template, source, dest, sendtag=tag, recvtag=tag, comm=comm)
+    elif dest is not None:
+        mpi4jax.send(payload, dest, tag=tag, comm=comm)
+        received = None
+    elif source is not None:
+        received = mpi4jax.recv(template, source, tag=tag, comm=comm)
+    else:
+        received = None
+    sent = jnp.float32(4 * payload.shape[0] if dest is not None else 0)
+    if received is None:
+        return SparseStream.empty(s.size, recv_capacity), status, sent
+    if dense:
+        got = _dense_stream(jax.lax.bitcast_convert_type(received[_HEADER:], VALUE_DTYPE))
+        got = resize(got, recv_capacity)
+        return got, jnp.maximum(status, received[0]), sent
+    idx, val, nnz, peer_status = _unpack(received, recv_capacity)
+    return SparseStream(idx, val, nnz, s.size), jnp.maximum(status, peer_status), sent
+
+
+def _segments(s: SparseStream, parts: int, slot: int) -> jax.Array:
+    """[parts, header + 2*slot]: the pairs of each part's range, re-based to the range start."""
+    bounds = np.array([part_bounds(s.size, parts, r)[0] for r in range(parts)] + [s.size], np.int32)
+    offsets = jnp.searchsorted(s.indices, jnp.asarray(bounds), side="left").astype(INDEX_DTYPE)
+    offsets = jnp.minimum(offsets, s.nnz)
+    padded = resize(s, s.capacity + slot)
+    rows = []
+    for r in range(parts):
+        count = offsets[r + 1] - offsets[r]
+        idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,)) - bounds[r]
+        val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
+        valid = jnp.arange(slot) < count
+        length = part_length(s.size, parts, r)
+        rows.append(_pack(jnp.where(valid, idx, length), jnp.where(valid, val, 0.0), count, 0))
+    return jnp.stack(rows)
+
+
+def reduce_scatter(s: SparseStream, *, part_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float):
+    from sparcml_jax.kernels.merge import merge
+
+    rank, parts = comm.Get_rank(), comm.Get_size()
+    slot = max(min(s.capacity, part_length(s.size, parts, r)) for r in range(parts))
+    sendbuf = _segments(s, parts, slot)
+    sendbuf = sendbuf.at[:, 1].set(status)
+    received = mpi4jax.alltoall(sendbuf, comm=comm) if parts > 1 else sendbuf
+    length = part_length(s.size, parts, rank)
+    acc = None
+    for q in range(parts):
+        idx, val, nnz, peer_status = _unpack(received[q], slot)
+        status = jnp.maximum(status, peer_status)
+        seg = SparseStream(idx, val, nnz, length)
+        acc = seg if acc is None else merge(acc, seg, delta=delta)
+    sent = jnp.float32(4 * sendbuf.shape[1] * (parts - 1))
+    return resize(acc, part_capacity), status, sent
+
+
+def allgather(part: SparseStream, *, size: int, out_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float,
+              slot_capacity: int):
+    parts = comm.Get_size()
+    mine = resize(part, slot_capacity)
+    buf = _pack(mine.indices, mine.values, mine.nnz, status)
+    gathered = mpi4jax.allgather(buf, comm=comm) if parts > 1 else buf[None]
+    counts = gathered[:, 0]
+    status = jnp.max(gathered[:, 1])
+    starts = jnp.concatenate([jnp.zeros((1,), INDEX_DTYPE), jnp.cumsum(counts)[:-1].astype(INDEX_DTYPE)])
+    out_idx = jnp.full((out_capacity,), size, INDEX_DTYPE)
+    out_val = jnp.zeros((out_capacity,), VALUE_DTYPE)
+    for r in range(parts):
+        idx, val, _, _ = _unpack(gathered[r], slot_capacity)
+        valid = jnp.arange(slot_capacity) < counts[r]
+        pos = jnp.where(valid, starts[r] + jnp.arange(slot_capacity, dtype=INDEX_DTYPE), out_capacity)
+        out_idx = out_idx.at[pos].set(idx + part_bounds(size, parts, r)[0], mode="drop")
+        out_val = out_val.at[pos].set(val, mode="drop")
+    total = jnp.sum(counts)
+    result = SparseStream(out_idx, out_val, total.astype(INDEX_DTYPE), size)
+    if out_capacity >= size:
+        dense = jnp.zeros((size,), VALUE_DTYPE).at[out_idx].set(out_val, mode="drop")
+        go_dense = total >= dense_threshold(size, delta)
+        dense_stream = resize(_dense_stream(dense), out_capacity)
+        result = jax.tree.map(lambda d, s: jnp.where(go_dense, d, s), dense_stream, result)
+    sent = jnp.float32(4 * buf.shape[0] * (parts - 1))
+    return result, status, sent
+
+
+def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
+    """Concatenates every rank's dense slice of its range (the DSAR allgather phase)."""
+    parts = comm.Get_size()
+    slot = max(part_length(size, parts, r) for r in range(parts))
+    buf = jnp.concatenate([values, jnp.zeros((slot - values.shape[0],), VALUE_DTYPE)])
+    gathered = mpi4jax.allgather(buf, comm=comm) if parts > 1 else buf[None]
+    pieces = [gathered[r, : part_length(size, parts, r)] for r in range(parts)]
+    return jnp.concatenate(pieces), status, jnp.float32(4 * slot * (parts - 1))
+
+
+def gather_streams(s: SparseStream, *, status: jax.Array, comm: MPI.Comm):
+    """Every rank's whole stream: (indices[P, cap], values[P, cap], nnz[P])."""
+    buf = _pack(s.indices, s.values, s.nnz, status)
+    gathered = mpi4jax.allgather(buf, comm=comm) if comm.Get_size() > 1 else buf[None]
+    cap = s.capacity
+    idx = gathered[:, _HEADER:_HEADER + cap]
+    val = jax.lax.bitcast_convert_type(gathered[:, _HEADER + cap:], VALUE_DTYPE)
+    return (idx, val, gathered[:, 0]), jnp.max(gathered[:, 1]), jnp.float32(4 * buf.shape[0] * (comm.Get_size() - 1))

@@ -1,0 +1,39 @@
+"""Static schedules shared by the algorithms and both transports."""
+
+from __future__ import annotations
+
+from sparcml_jax.stream import can_switch_to_dense
+
+
+def part_bounds(size: int, parts: int, r: int) -> tuple[int, int]:
+    """Index range of part r: equal widths ``size // parts``, the last part takes the remainder."""
+    width = size // parts
+    return r * width, size if r == parts - 1 else (r + 1) * width
+
+
+def part_length(size: int, parts: int, r: int) -> int:
+    lo, hi = part_bounds(size, parts, r)
+    return hi - lo
+
+
+def lower_power_of_two(p: int) -> int:
+    return 1 << (p.bit_length() - 1)
+
+
+def grown_capacity(capacity: int, size: int, fan_in: int, delta: float) -> int:
+    """Capacity of the sum of ``fan_in`` streams of ``capacity``: the union bound, or ``size``
+    once the sum may switch to the dense representation."""
+    union = min(capacity * fan_in, size)
+    return size if can_switch_to_dense(union, size, delta) else union
+
+
+def part_capacity(capacity: int, size: int, parts: int, r: int, delta: float) -> int:
+    """Capacity of part r after the reduce-scatter: P segments of at most min(capacity, L) pairs."""
+    length = part_length(size, parts, r)
+    return grown_capacity(min(capacity, length), length, parts, delta)
+
+
+def gathered_capacity(capacity: int, size: int, parts: int, delta: float) -> int:
+    """Capacity of the allgather result: the sum of the part capacities."""
+    total = sum(part_capacity(capacity, size, parts, r, delta) for r in range(parts))
+    return grown_capacity(total, size, 1, delta)

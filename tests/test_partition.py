@@ -1,0 +1,416 @@
+"""from_dense, scatter_add, partition_bounds, split and gather: C kernels vs jnp references vs numpy."""
+
+import doctest
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparcml_jax
+from sparcml_jax import SparseStream, dense_threshold
+from sparcml_jax.kernels import partition
+from sparcml_jax.kernels.partition import (
+    from_dense,
+    from_dense_reference,
+    gather,
+    gather_reference,
+    partition_bounds,
+    scatter_add,
+    scatter_add_reference,
+    split,
+    split_reference,
+)
+
+ERRORS = (ValueError, RuntimeError)
+
+
+# ------------------------------------------------------------------ helpers and numpy oracles
+
+
+def make_stream(idx, val, size, capacity=None):
+    idx, val = np.asarray(idx, np.int32), np.asarray(val, np.float32)
+    capacity = len(idx) if capacity is None else capacity
+    pad = capacity - len(idx)
+    return SparseStream(
+        jnp.asarray(np.concatenate([idx, np.full(pad, size, np.int32)])),
+        jnp.asarray(np.concatenate([val, np.zeros(pad, np.float32)])),
+        jnp.int32(len(idx)),
+        size,
+    )
+
+
+def random_stream(rng, size, nnz, capacity=None):
+    idx = np.sort(rng.choice(size, nnz, replace=False))
+    return make_stream(idx, rng.integers(-50, 50, nnz), size, capacity)
+
+
+def dense_stream(x, capacity=None):
+    x = np.asarray(x, np.float32)
+    return make_stream(np.arange(x.size), x, x.size, capacity)
+
+
+def sparse_vector(rng, size, nnz):
+    x = np.zeros(size, np.float32)
+    x[rng.choice(size, nnz, replace=False)] = rng.choice([-3.0, -1.0, 0.5, 2.0, 7.0], nnz)
+    return x
+
+
+def np_from_dense(x, capacity=None, delta=1.0):
+    """(indices, values, nnz) of the expected stream, or None when it must raise."""
+    size = x.size
+    capacity = size if capacity is None else capacity
+    (pos,) = np.nonzero(x != 0)
+    if capacity >= size and len(pos) >= dense_threshold(size, delta):
+        pos, nnz = np.arange(size), size
+    elif len(pos) > capacity:
+        return None
+    else:
+        nnz = len(pos)
+    idx = np.concatenate([pos, np.full(capacity - nnz, size)]).astype(np.int32)
+    val = np.concatenate([x[pos], np.zeros(capacity - nnz)]).astype(np.float32)
+    return idx, val, nnz
+
+
+def np_dense_of(s):
+    out = np.zeros(s.size, np.float32)
+    n = int(s.nnz)
+    np.add.at(out, np.asarray(s.indices)[:n], np.asarray(s.values)[:n])
+    return out
+
+
+def np_bounds(size, parts):
+    step = size // parts
+    return np.array([r * step for r in range(parts)] + [size])
+
+
+def np_split(s, parts):
+    n = int(s.nnz)
+    return np.searchsorted(np.asarray(s.indices)[:n], np_bounds(s.size, parts), side="left")
+
+
+def assert_same_stream(x, y):
+    assert x.size == y.size and x.capacity == y.capacity
+    assert int(x.nnz) == int(y.nnz)
+    np.testing.assert_array_equal(np.asarray(x.indices), np.asarray(y.indices))
+    np.testing.assert_array_equal(np.asarray(x.values), np.asarray(y.values))
+
+
+def assert_stream_equals(s, idx, val, nnz):
+    assert int(s.nnz) == nnz
+    np.testing.assert_array_equal(np.asarray(s.indices), idx)
+    np.testing.assert_array_equal(np.asarray(s.values), val)
+
+
+def stack(streams):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *streams)
+
+
+def unstack(stream, i):
+    return jax.tree.map(lambda leaf: leaf[i], stream)
+
+
+# ------------------------------------------------------------------ from_dense
+
+
+@pytest.mark.parametrize(
+    "size,nnz,capacity,delta",
+    [
+        (0, 0, None, 1.0), (1, 0, None, 1.0), (1, 1, None, 1.0), (1, 1, 1, 0.5), (2, 1, None, 1.0),
+        (10, 0, 3, 1.0), (10, 3, 3, 1.0), (10, 4, None, 1.0), (10, 5, None, 1.0), (10, 5, 12, 1.0),
+        (10, 6, 8, 1.0),  # count above the threshold but capacity < size: stays sparse
+        (100, 7, 20, 1.0), (100, 24, None, 0.5), (100, 25, None, 0.5), (100, 100, None, 1.0),
+        (100, 60, None, 3.0),  # threshold 150 > size: never dense
+    ],
+)
+def test_from_dense_matches_numpy_and_reference(size, nnz, capacity, delta):
+    rng = np.random.default_rng(size * 1000 + nnz)
+    x = sparse_vector(rng, size, nnz)
+    fn = jax.jit(functools.partial(from_dense, capacity=capacity, delta=delta))
+    out = fn(x)
+    assert_stream_equals(out, *np_from_dense(x, capacity, delta))
+    assert_same_stream(out, jax.jit(from_dense_reference, static_argnums=(1, 2))(x, capacity, delta))
+    np.testing.assert_array_equal(np.asarray(jax.jit(SparseStream.to_dense)(out)), x)
+
+
+def test_eager_calls():
+    rng = np.random.default_rng(0)
+    x = sparse_vector(rng, 12, 3)
+    s = from_dense(x, capacity=5)
+    assert_stream_equals(s, *np_from_dense(x, 5))
+    np.testing.assert_array_equal(np.asarray(scatter_add(s, np.ones(12, np.float32))), x + 1)
+    np.testing.assert_array_equal(np.asarray(split(s, 3)), np_split(s, 3))
+    assert_same_stream(gather(x, s.indices, s.nnz), s)
+
+
+def test_from_dense_nan_inf_and_negative_zero():
+    x = np.array([0.0, np.nan, -0.0, np.inf, 0.0, -np.inf, 0.0, 0.0, 0.0, 0.0], np.float32)
+    out = from_dense(x, capacity=4)
+    assert int(out.nnz) == 3
+    np.testing.assert_array_equal(np.asarray(out.indices), [1, 3, 5, 10])
+    np.testing.assert_array_equal(np.asarray(out.values), [np.nan, np.inf, -np.inf, 0.0])
+    assert_same_stream(out, from_dense_reference(jnp.asarray(x), 4))
+
+
+def test_from_dense_under_vmap():
+    rng = np.random.default_rng(7)
+    xs = np.stack([sparse_vector(rng, 30, k) for k in (0, 3, 9, 15, 30)])
+    fn = functools.partial(from_dense, capacity=30)
+    out = jax.vmap(fn)(xs)
+    ref = jax.vmap(functools.partial(from_dense_reference, capacity=30))(xs)
+    for i, x in enumerate(xs):
+        assert_stream_equals(unstack(out, i), *np_from_dense(x, 30))
+        assert_same_stream(unstack(out, i), unstack(ref, i))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(SparseStream.to_dense)(out)), xs)
+
+
+def test_from_dense_overflow_raises_at_run_time():
+    x = np.zeros(40, np.float32)
+    x[:12] = 1.0
+    msg = "from_dense: x has 12 nonzeros but capacity is 8; pass a larger capacity"
+    with pytest.raises(ERRORS, match=msg):
+        from_dense(x, capacity=8).nnz.block_until_ready()
+    fn = jax.jit(functools.partial(from_dense, capacity=8))
+    for _ in range(2):  # first call and warm call surface different exception classes
+        with pytest.raises(ERRORS, match=msg):
+            fn(x).nnz.block_until_ready()
+    with pytest.raises(ERRORS, match="x has 12 nonzeros"):
+        jax.vmap(lambda v: from_dense(v, capacity=8))(np.stack([x, x])).nnz.block_until_ready()
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: from_dense(np.ones((2, 3), np.float32)), ValueError, "x must be a 1-D vector"),
+        (lambda: from_dense(np.ones(3, np.int32)), TypeError, "x must have dtype float32"),
+        (lambda: from_dense(np.ones(3, np.float32), capacity=-1), ValueError, r"capacity must lie in \[0,"),
+        (lambda: from_dense(np.ones(3, np.float32), capacity=2.0), TypeError, "capacity must be a Python int"),
+        (lambda: from_dense(np.ones(3, np.float32), delta=0.0), ValueError, "delta must be positive"),
+        (lambda: jax.eval_shape(from_dense, jax.ShapeDtypeStruct((2**31,), jnp.float32)), ValueError,
+         r"x.size=2147483648 does not fit int32 indices"),
+    ],
+)
+def test_from_dense_static_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ scatter_add
+
+
+@pytest.mark.parametrize("size,nnz,capacity", [(0, 0, 0), (1, 0, 1), (1, 1, 1), (10, 0, 4), (10, 3, 3),
+                                               (10, 3, 7), (100, 40, 50), (100, 99, 100)])
+def test_scatter_add_matches_numpy_and_reference(size, nnz, capacity):
+    rng = np.random.default_rng(size + 31 * nnz)
+    s = random_stream(rng, size, nnz, capacity)
+    base = rng.integers(-9, 9, size).astype(np.float32)
+    want = base + np_dense_of(s)
+    np.testing.assert_array_equal(np.asarray(jax.jit(scatter_add)(s, base)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(scatter_add_reference)(s, base)), want)
+
+
+@pytest.mark.parametrize("size,capacity", [(1, 1), (7, 7), (7, 10)])
+def test_scatter_add_dense_form(size, capacity):
+    x = np.arange(1, size + 1, dtype=np.float32)
+    s = dense_stream(x, capacity)
+    base = np.full(size, 0.5, np.float32)
+    np.testing.assert_array_equal(np.asarray(scatter_add(s, base)), x + 0.5)
+    np.testing.assert_array_equal(np.asarray(scatter_add_reference(s, jnp.asarray(base))), x + 0.5)
+
+
+def test_scatter_add_leaves_input_untouched_and_vmaps():
+    rng = np.random.default_rng(3)
+    streams = [random_stream(rng, 20, k, 8) for k in (0, 4, 8)]
+    base = jnp.ones((3, 20), jnp.float32)
+    out = jax.vmap(scatter_add)(stack(streams), base)
+    np.testing.assert_array_equal(np.asarray(base), 1.0)  # the in-place kernel works on a copy
+    for i, s in enumerate(streams):
+        np.testing.assert_array_equal(np.asarray(out[i]), 1.0 + np_dense_of(s))
+    ref = jax.vmap(scatter_add_reference)(stack(streams), base)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_scatter_add_static_errors():
+    s = make_stream([1, 3], [1.0, 2.0], 10)
+    with pytest.raises(ValueError, match="dense has length 9 but stream describes a vector of size 10"):
+        scatter_add(s, jnp.zeros(9))
+    with pytest.raises(TypeError, match="dense must have dtype float32"):
+        scatter_add(s, jnp.zeros(10, jnp.int32))
+    with pytest.raises(ValueError, match="dense must be a 1-D vector"):
+        scatter_add(s, jnp.zeros((2, 5)))
+    with pytest.raises(TypeError, match="stream must be a SparseStream"):
+        scatter_add(jnp.zeros(10), jnp.zeros(10))
+
+
+# ------------------------------------------------------------------ partition_bounds / split
+
+
+@pytest.mark.parametrize("size,parts", [(0, 1), (0, 3), (1, 1), (1, 4), (10, 1), (10, 3), (10, 10), (10, 11),
+                                        (12, 4), (7, 2)])
+def test_partition_bounds(size, parts):
+    bounds = partition_bounds(size, parts)
+    assert bounds.dtype == np.int64 and bounds.shape == (parts + 1,)
+    np.testing.assert_array_equal(bounds, np_bounds(size, parts))
+    assert bounds[0] == 0 and bounds[-1] == size and np.all(np.diff(bounds) >= 0)
+    widths = np.diff(bounds)
+    assert np.all(widths[:-1] == size // parts) and widths[-1] == size // parts + size % parts
+
+
+@pytest.mark.parametrize("size,parts,exc,match", [
+    (10, 0, ValueError, r"parts must lie in \[1,"),
+    (10, -2, ValueError, r"parts must lie in \[1,"),
+    (10, 2.0, TypeError, "parts must be a Python int"),
+    (-1, 2, ValueError, r"size=-1 does not fit int32"),
+])
+def test_partition_bounds_errors(size, parts, exc, match):
+    with pytest.raises(exc, match=match):
+        partition_bounds(size, parts)
+
+
+@pytest.mark.parametrize("size,nnz,capacity,parts", [
+    (0, 0, 0, 2), (1, 0, 1, 1), (1, 1, 1, 3), (10, 0, 4, 3), (10, 3, 5, 3), (10, 4, 4, 11), (10, 9, 9, 4),
+    (100, 17, 20, 4), (100, 17, 20, 7), (1000, 300, 300, 8), (1000, 1, 2, 5),
+])
+def test_split_matches_numpy_and_reference(size, nnz, capacity, parts):
+    rng = np.random.default_rng(size + nnz + parts)
+    s = random_stream(rng, size, nnz, capacity)
+    want = np_split(s, parts)
+    out = jax.jit(split, static_argnums=1)(s, parts)
+    assert out.dtype == jnp.int32 and out.shape == (parts + 1,)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(split_reference, static_argnums=1)(s, parts)), want)
+    # every pair lands in the part that covers its index
+    bounds, idx = partition_bounds(size, parts), np.asarray(s.indices)
+    for r in range(parts):
+        assert np.all((bounds[r] <= idx[out[r]:out[r + 1]]) & (idx[out[r]:out[r + 1]] < bounds[r + 1]))
+
+
+@pytest.mark.parametrize("size,capacity,parts", [(1, 1, 1), (1, 2, 3), (10, 10, 3), (10, 12, 10), (10, 10, 13)])
+def test_split_dense_stream_gives_bounds(size, capacity, parts):
+    s = dense_stream(np.arange(size, dtype=np.float32), capacity)
+    want = partition_bounds(size, parts)
+    np.testing.assert_array_equal(np.asarray(split(s, parts)), want)
+    np.testing.assert_array_equal(np.asarray(split_reference(s, parts)), want)
+
+
+def test_split_under_vmap():
+    rng = np.random.default_rng(11)
+    streams = [random_stream(rng, 50, k, 50) for k in (0, 5, 12, 49)] + [dense_stream(np.ones(50))]
+    out = jax.vmap(lambda s: split(s, 4))(stack(streams))
+    ref = jax.vmap(lambda s: split_reference(s, 4))(stack(streams))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    for i, s in enumerate(streams):
+        np.testing.assert_array_equal(np.asarray(out[i]), np_split(s, 4))
+
+
+def test_split_static_errors():
+    s = make_stream([1], [1.0], 10)
+    with pytest.raises(ValueError, match=r"parts must lie in \[1,"):
+        split(s, 0)
+    with pytest.raises(TypeError, match="parts must be a Python int"):
+        split(s, jnp.int32(2))
+    with pytest.raises(TypeError, match="stream must be a SparseStream"):
+        split(np.zeros(3), 2)
+
+
+# ------------------------------------------------------------------ gather
+
+
+@pytest.mark.parametrize("size,nnz,capacity", [(0, 0, 0), (1, 0, 1), (1, 1, 1), (10, 0, 3), (10, 3, 3),
+                                               (10, 3, 8), (100, 30, 40)])
+def test_gather_matches_numpy_and_reference(size, nnz, capacity):
+    rng = np.random.default_rng(size * 7 + nnz)
+    x = rng.integers(-20, 20, size).astype(np.float32)
+    idx = np.sort(rng.choice(size, nnz, replace=False)).astype(np.int32)
+    garbage = rng.integers(-5, 5, capacity - nnz).astype(np.int32)  # ignored past nnz
+    indices = np.concatenate([idx, garbage])
+    want_idx = np.concatenate([idx, np.full(capacity - nnz, size)])
+    want_val = np.concatenate([x[idx], np.zeros(capacity - nnz)])
+    for out in (jax.jit(gather)(x, indices, nnz), jax.jit(gather_reference)(x, indices, nnz)):
+        assert out.size == size
+        assert_stream_equals(out, want_idx, want_val, nnz)
+
+
+@pytest.mark.parametrize("size,capacity", [(1, 1), (6, 6), (6, 9)])
+def test_gather_dense_form(size, capacity):
+    x = np.arange(10, 10 + size, dtype=np.float32)
+    indices = np.full(capacity, 77, np.int32)  # ignored: nnz == size means the dense form
+    want_idx = np.concatenate([np.arange(size), np.full(capacity - size, size)])
+    want_val = np.concatenate([x, np.zeros(capacity - size)])
+    assert_stream_equals(gather(x, indices, size), want_idx, want_val, size)
+    assert_stream_equals(gather_reference(jnp.asarray(x), jnp.asarray(indices), size), want_idx, want_val, size)
+
+
+def test_gather_under_vmap_and_round_trip():
+    rng = np.random.default_rng(5)
+    xs = rng.integers(1, 9, (3, 16)).astype(np.float32)
+    supports = [np.sort(rng.choice(16, 5, replace=False)) for _ in range(3)]
+    indices = np.stack([np.concatenate([s, [16, 16]]) for s in supports]).astype(np.int32)
+    nnz = np.array([5, 3, 0], np.int32)
+    out = jax.vmap(gather)(xs, indices, nnz)
+    ref = jax.vmap(gather_reference)(xs, indices, nnz)
+    for i in range(3):
+        assert_same_stream(unstack(out, i), unstack(ref, i))
+        want = np.zeros(16, np.float32)
+        want[supports[i][: nnz[i]]] = xs[i][supports[i][: nnz[i]]]
+        np.testing.assert_array_equal(np.asarray(unstack(out, i).to_dense()), want)
+
+
+def test_gather_static_errors():
+    with pytest.raises(TypeError, match="indices must have dtype int32"):
+        gather(jnp.zeros(4), jnp.zeros(2), 1)
+    with pytest.raises(TypeError, match="dense must have dtype float32"):
+        gather(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), 1)
+    with pytest.raises(TypeError, match="nnz must be an integer scalar"):
+        gather(jnp.zeros(4), jnp.zeros(2, jnp.int32), jnp.array([1]))
+    with pytest.raises(TypeError, match="nnz must be an integer scalar"):
+        gather(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0)
+
+
+# ------------------------------------------------------------------ run-time stream validation
+
+
+def _bad_streams():
+    good = make_stream([1, 4, 7], [1.0, 2.0, 3.0], 10, capacity=5)
+    return [
+        (SparseStream(good.indices.at[1].set(1), good.values, good.nnz, 10), "stream: indices must be strictly increasing"),
+        (SparseStream(good.indices.at[2].set(3), good.values, good.nnz, 10), "stream: indices must be strictly increasing"),
+        (SparseStream(good.indices.at[2].set(10), good.values, good.nnz, 10), r"stream: indices must lie in \[0, n=10\)"),
+        (SparseStream(good.indices.at[0].set(-1), good.values, good.nnz, 10), r"stream: indices must lie in \[0, n=10\); found -1"),
+        (SparseStream(good.indices, good.values, jnp.int32(6), 10), r"stream: nnz=6 is outside \[0, capacity=5\]"),
+        (SparseStream(good.indices, good.values, jnp.int32(-1), 10), r"stream: nnz=-1 is outside"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_bad_streams_raise_at_run_time(case):
+    bad, match = _bad_streams()[case]
+    with pytest.raises(ERRORS, match=match):
+        scatter_add(bad, jnp.zeros(10)).block_until_ready()
+    with pytest.raises(ERRORS, match=match):
+        bad.to_dense().block_until_ready()
+    for _ in range(2):
+        with pytest.raises(ERRORS, match=match):
+            jax.jit(split, static_argnums=1)(bad, 3).block_until_ready()
+
+
+@pytest.mark.parametrize("indices,nnz,match", [
+    ([2, 2, 5], 3, "indices: indices must be strictly increasing"),
+    ([3, 1, 5], 2, "indices: indices must be strictly increasing"),
+    ([2, 5, 10], 3, r"indices: indices must lie in \[0, n=10\)"),
+    ([-3, 5, 9], 3, r"indices: indices must (lie in|be strictly)"),
+    ([1, 2, 3], 4, r"indices: nnz=4 is outside \[0, capacity=3\]"),
+])
+def test_gather_bad_indices_raise_at_run_time(indices, nnz, match):
+    with pytest.raises(ERRORS, match=match):
+        gather(jnp.zeros(10), jnp.asarray(indices, jnp.int32), nnz).values.block_until_ready()
+
+
+# ------------------------------------------------------------------ docstrings
+
+
+@pytest.mark.skipif(not hasattr(sparcml_jax, "split"), reason="partition kernels not yet exported from sparcml_jax")
+def test_docstring_examples():
+    result = doctest.testmod(partition)
+    assert result.attempted > 0 and result.failed == 0
