@@ -24,14 +24,28 @@ from sparcml_jax.kernels.partition import (
     split,
     split_reference,
 )
+from sparcml_jax.kernels.qsgd import QuantizedVector, qsgd_dequantize, qsgd_quantize
+from sparcml_jax.kernels.topk import topk, topk_reference
 from sparcml_jax.stream import SparseStream, dense_threshold
+from sparcml_jax.transform import (
+    AllreduceGradientsState,
+    GradientStats,
+    allreduce_gradients,
+    dense_allreduce_gradients,
+)
+from sparcml_jax import sparsifiers
 
 __all__ = [
     "ALGORITHMS",
+    "AllreduceGradientsState",
     "AllreduceStats",
     "CostModel",
+    "GradientStats",
+    "QuantizedVector",
     "SparseStream",
+    "allreduce_gradients",
     "dense_allreduce",
+    "dense_allreduce_gradients",
     "dense_threshold",
     "from_dense",
     "from_dense_reference",
@@ -41,10 +55,15 @@ __all__ = [
     "merge_capacity",
     "merge_reference",
     "partition_bounds",
+    "qsgd_dequantize",
+    "qsgd_quantize",
     "scatter_add",
     "scatter_add_reference",
     "sparse_allgather",
     "sparse_allreduce",
+    "sparsifiers",
     "split",
     "split_reference",
+    "topk",
+    "topk_reference",
 ]

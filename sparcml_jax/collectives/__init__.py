@@ -140,7 +140,8 @@ def _agree_on(plan: Plan, algorithm: str, s: SparseStream) -> None:
 
 
 def _candidates(plan: Plan) -> tuple[str, ...]:
-    return ALGORITHMS
+    """In order of preference on equal predicted cost (P = 1 costs nothing: no rounds at all)."""
+    return ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "dense")
 
 
 def _predict(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, xp):

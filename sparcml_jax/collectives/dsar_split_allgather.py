@@ -43,13 +43,13 @@ def _quantized_allgather(mine: jax.Array, size: int, plan: Plan, key: jax.Array)
     padded = jnp.concatenate([mine, jnp.zeros((slot - mine.shape[0],), mine.dtype)])
     q = qsgd_quantize(padded, key, bits=plan.quantize_bits, bucket_size=plan.bucket_size, scale=plan.quantize_scale)
     if nprocs > 1:
-        packed = mpi4jax.allgather(q.packed, comm=plan.comm)
+        packed = mpi4jax.allgather(q.data, comm=plan.comm)
         scales = mpi4jax.allgather(q.scales, comm=plan.comm)
     else:
-        packed, scales = q.packed[None], q.scales[None]
+        packed, scales = q.data[None], q.scales[None]
     pieces = []
     for r in range(nprocs):
         decoded = qsgd_dequantize(QuantizedVector(packed[r], scales[r], q.size, q.bits, q.bucket_size, q.scale))
         pieces.append(decoded[: part_length(size, nprocs, r)])
-    sent = jnp.float32((q.packed.size + 4 * q.scales.size) * (nprocs - 1))
+    sent = jnp.float32((q.data.size + 4 * q.scales.size) * (nprocs - 1))
     return jnp.concatenate(pieces), sent

@@ -1,0 +1,20 @@
+"""``python -m sparcml_jax.bench {kernels,allreduce}``: benchmarks that print ratios against baselines."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"kernels": "sparcml_jax.bench.kernels", "allreduce": "sparcml_jax.bench.allreduce"}
+    if not argv or argv[0] not in commands:
+        print(f"usage: python -m sparcml_jax.bench {{{','.join(commands)}}} [options]  (--help for each)")
+        raise SystemExit(2)
+    import importlib
+
+    importlib.import_module(commands[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Allreduce benchmark (run under mpirun): every SparCML algorithm and transport beside the
+baselines, measured in the same run and interleaved so that machine noise hits all of them alike.
+
+Each timed sample is the maximum over ranks of one call (ranks start together after a barrier);
+rows report the median, min and max of those samples and the ratio to the dense mpi4jax
+allreduce measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+from sparcml_jax.bench._timing import block, fmt_time, print_table
+from sparcml_jax.collectives import ALGORITHMS, dense_allreduce, sparse_allgather, sparse_allreduce
+from sparcml_jax.collectives._agree import cost_model_for
+from sparcml_jax.comm import resolve_comm
+from sparcml_jax.stream import SparseStream
+
+SUPPORTS = ("uniform", "identical", "disjoint", "powerlaw")
+
+
+def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: int = 0) -> SparseStream:
+    """A rank's k-sparse stream with the given support pattern (values are small integers)."""
+    rng = np.random.default_rng(seed + (0 if support == "identical" else 1000 + rank))
+    if support in ("uniform", "identical"):
+        idx = rng.choice(size, k, replace=False)
+    elif support == "disjoint":
+        base = np.random.default_rng(seed).permutation(size)[: k * nprocs] if k * nprocs <= size else None
+        idx = base[rank * k:(rank + 1) * k] if base is not None else rng.choice(size, k, replace=False)
+    elif support == "powerlaw":  # Zipf-like popularity: low indices are shared by most ranks
+        weights = 1.0 / np.arange(1, size + 1) ** 1.1
+        idx = rng.choice(size, k, replace=False, p=weights / weights.sum())
+    else:
+        raise ValueError(f"support must be one of {SUPPORTS}, got {support!r}")
+    idx = np.sort(idx).astype(np.int32)
+    values = rng.integers(1, 8, k).astype(np.float32)
+    return SparseStream(jnp.asarray(idx), jnp.asarray(values), jnp.int32(k), size)
+
+
+def _timed(comm: MPI.Comm, fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        comm.Barrier()
+        start = time.perf_counter()
+        block(fn())
+        out.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return out
+
+
+def run(sizes, densities, supports, algorithms, transports, reps, comm=None, baselines=True, progress=None):
+    comm = resolve_comm(comm)
+    rank, nprocs = comm.Get_rank(), comm.Get_size()
+    model = cost_model_for(comm)
+    rows = []
+    for size in sizes:
+        for density in densities:
+            k = max(1, int(round(size * density)))
+            for support in supports:
+                s = make_stream(size, k, support, rank, nprocs)
+                dense_x = s.to_dense()
+                cases = {("dense mpi4jax", "-"): jax.jit(lambda x: dense_allreduce(x, comm=comm))}
+                args = {("dense mpi4jax", "-"): (dense_x,)}
+                if baselines:
+                    host = np.array(dense_x)
+                    host_sum = np.empty_like(host)
+                    cases[("mpi4py Allreduce (numpy)", "-")] = lambda: comm.Allreduce(host, host_sum, op=MPI.SUM)
+                    args[("mpi4py Allreduce (numpy)", "-")] = ()
+                    for transport in transports:
+                        name = ("naive allgather+sum", transport)
+                        cases[name] = jax.jit(lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t))
+                        args[name] = (s,)
+                for transport in transports:
+                    for algorithm in algorithms:
+                        name = (algorithm, transport)
+                        cases[name] = jax.jit(lambda s, a=algorithm, t=transport: sparse_allreduce(
+                            s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True))
+                        args[name] = (s,)
+                stats = {}
+                for name, fn in cases.items():  # compile and warm up
+                    first = block(fn(*args[name]))
+                    block(fn(*args[name]))
+                    if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
+                        stats[name] = first[1]
+                samples = {name: [] for name in cases}
+                for _ in range(reps):  # interleaved
+                    for name, fn in cases.items():
+                        samples[name] += _timed(comm, lambda: fn(*args[name]), 1)
+                dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
+                for name, times in samples.items():
+                    st = stats.get(name)
+                    algo = ALGORITHMS[int(st.algorithm)] if st is not None and int(st.algorithm) >= 0 else None
+                    sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
+                    predicted = None
+                    if name[0] in ALGORITHMS or name[0] == "auto":
+                        predicted = float(model.predict(algo or name[0], size=size, nnz=k, nprocs=nprocs,
+                                                        transport=name[1], capacity=k))
+                    elif name[0].startswith("dense"):
+                        predicted = float(model.predict("dense", size=size, nnz=k, nprocs=nprocs))
+                    rows.append(dict(
+                        P=nprocs, N=size, density=density, support=support, algorithm=name[0], transport=name[1],
+                        chosen=algo, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
+                        ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
+                        result_nnz=int(st.result_nnz) if st is not None else None, predicted=predicted,
+                    ))
+                if progress:
+                    progress()
+    return rows, model
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="mpirun -n P python -m sparcml_jax.bench allreduce", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 22])
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.1])
+    parser.add_argument("--supports", nargs="+", default=["uniform"], choices=SUPPORTS)
+    parser.add_argument("--algorithms", nargs="+", default=[*ALGORITHMS[1:], "auto"])
+    parser.add_argument("--transports", nargs="+", default=["native", "mpi4jax"])
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--no-baselines", action="store_true", help="skip the mpi4py and naive allgather baselines")
+    parser.add_argument("--quick", action="store_true", help="a small sweep for smoke tests")
+    parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.densities, args.reps = [1 << 14], [0.01, 0.3], 3
+    comm = resolve_comm(None)
+    rows, model = run(args.sizes, args.densities, args.supports, args.algorithms, args.transports, args.reps, comm,
+                      baselines=not args.no_baselines)
+    if comm.Get_rank() == 0:
+        print(f"P={comm.Get_size()}  calibrated alpha={model.alpha * 1e6:.1f} us  "
+              f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)")
+        print_table(
+            ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
+             "MB sent/rank", "model"],
+            [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.1%}", r["support"], r["algorithm"], r["transport"],
+              r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
+              f"{r['ratio_to_dense']:.3f}", "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
+              "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
+        )
+        print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    return rows
