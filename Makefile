@@ -23,8 +23,9 @@ install: $(STAMP)
 build: install
 	PATH=$(VENV_ABS)/bin:$$PATH $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
+# The main job: the URL-like logistic regression, sparse beside dense, on $(NP) ranks.
 demo: build
-	$(PY) -m sparcml_jax.bench kernels
+	$(VENV)/bin/mpirun -n $(NP) $(PY) examples/url_logreg.py
 
 test: build
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests

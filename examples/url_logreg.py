@@ -40,7 +40,7 @@ def train(name: str, reducer: optax.GradientTransformation, train_set: SparseDat
           args, comm: MPI.Comm) -> dict:
     rank = comm.Get_rank()
     params = {"w": jnp.zeros(train_set.num_features, jnp.float32), "b": jnp.zeros((), jnp.float32)}
-    tx = optax.chain(reducer, optax.sgd(args.lr))
+    tx = optax.chain(reducer, optax.adagrad(args.lr))
     opt_state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -84,8 +84,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--features", type=int, default=1 << 22, help="features of the built-in set")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=256, help="samples per rank per step")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=2.0)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=0.2, help="adagrad learning rate")
     parser.add_argument("--transport", default="native", choices=["native", "mpi4jax"])
     args = parser.parse_args(argv)
 

@@ -60,7 +60,8 @@ def synthetic_url(num_samples: int = 120_000, num_features: int = 1 << 22, mean_
     ids.sort(axis=1)  # duplicates (rare) are harmless: a feature counted twice has value 2
     vals = (ids < num_features).astype(np.float32)
 
-    support = rng.choice(num_features, model_nnz, replace=False)
+    # The planted weights sit on features drawn by the same popularity law, so they are learnable.
+    support = np.unique(permutation[_power_law_ranks(rng, 4 * model_nnz, num_features, zipf_exponent)])[:model_nnz]
     weights = np.zeros(num_features + 1, np.float32)
     weights[support] = rng.standard_normal(model_nnz).astype(np.float32) * 2.0
     margin = (weights[ids] * vals).sum(axis=1) + rng.logistic(size=num_samples).astype(np.float32)

@@ -10,6 +10,7 @@ phase of DSAR (§6), whose unbiased rounding noise is not fed back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -141,6 +142,8 @@ def allreduce_gradients(
         raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
     select = resolve(sparsifier)
     exact = density is None and k is None
+    # Exact mode sends every nonzero: there is never anything to feed back.
+    error_feedback = error_feedback and not exact
     collective = dict(algorithm=algorithm, transport=transport, delta=delta, quantize_bits=quantize_bits,
                       bucket_size=bucket_size, quantize_scale=quantize_scale, cost_model=cost_model)
 
@@ -188,9 +191,10 @@ def allreduce_gradients(
         out = [None] * len(leaves)
         new_residual = [jnp.zeros_like(a) if error_feedback else r for a, r in zip(accumulated, residual_leaves)]
 
+        scale = 1.0 / nprocs if average else 1.0
         if small:
             flat = jnp.concatenate([accumulated[i].ravel() for i in small])
-            summed = dense_allreduce(flat, comm=the_comm) if nprocs > 1 else flat
+            summed = dense_allreduce(flat, comm=the_comm) * scale if nprocs > 1 else flat
             _scatter_back(summed, small, accumulated, out)
 
         nnz_total, bytes_total = jnp.float32(0), jnp.float32(0)
@@ -202,19 +206,19 @@ def allreduce_gradients(
             group_key = jax.random.fold_in(step_key, g)
 
             def sparse_path(flat):
-                if exact:  # everything is sent: no residual
-                    stream, rest = from_dense(flat, capacity=budget), jnp.zeros_like(flat)
-                else:
-                    stream = select(flat, budget, group_key)
-                    rest = flat - stream.to_dense()
+                stream = from_dense(flat, capacity=budget) if exact else select(flat, budget, group_key)
+                rest = flat - stream.to_dense() if error_feedback else jnp.float32(0)
                 reduced, stats = sparse_allreduce(stream, comm=the_comm, key=group_key, return_stats=True, **collective)
+                if average:  # scaling the nnz values is cheaper than a pass over the dense result
+                    reduced = dataclasses.replace(reduced, values=reduced.values / nprocs)
                 return reduced.to_dense(), rest, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, \
                     stats.algorithm
 
             def dense_path(flat):
-                summed = dense_allreduce(flat, comm=the_comm)
+                summed = dense_allreduce(flat, comm=the_comm) * scale
                 sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
-                return summed, jnp.zeros_like(flat), jnp.float32(n), sent, jnp.int32(WARMUP_ALGORITHM)
+                rest = jnp.zeros_like(flat) if error_feedback else jnp.float32(0)
+                return summed, rest, jnp.float32(n), sent, jnp.int32(WARMUP_ALGORITHM)
 
             dynamic_warmup = isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0
             send_dense = state.step < warmup_steps if dynamic_warmup else None
@@ -233,8 +237,7 @@ def allreduce_gradients(
             if len(group) == max(len(gr) for gr in groups):
                 algorithm_code = code
 
-        scale = 1.0 / nprocs if average else 1.0
-        new_updates = [(o * scale).astype(d) for o, d in zip(out, dtypes)]
+        new_updates = [o.astype(d) for o, d in zip(out, dtypes)]
         stats = GradientStats(nnz_total / max(total_large, 1), bytes_total, algorithm_code)
         new_state = AllreduceGradientsState(
             residual=jax.tree.unflatten(residual_def, new_residual),
