@@ -9,8 +9,10 @@ allreduce measured in the same run.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
+import sys
 import time
 
 import jax
@@ -55,97 +57,133 @@ def _timed(comm: MPI.Comm, fn, reps: int) -> list[float]:
     return out
 
 
-def run(sizes, densities, supports, algorithms, transports, reps, comm=None, baselines=True, progress=None):
+def scenarios(kind: str) -> list[tuple[int, float, str]]:
+    """(N, per-rank density, support) cells of a sweep.
+
+    ``full`` covers growth with density at two sizes, growth with N at 1 %, and every support
+    pattern where SparCML's algorithms differ most; ``issue`` is the 2^22 table of the
+    collectives issue; ``quick`` is a smoke run.
+    """
+    if kind == "quick":
+        return [(1 << 14, 0.01, "uniform"), (1 << 14, 0.3, "uniform")]
+    if kind == "issue":
+        return [(1 << 22, d, "uniform") for d in (0.001, 0.01, 0.1)]
+    if kind == "full":
+        cells = [(n, d, "uniform") for n in (1 << 18, 1 << 22) for d in (1e-4, 1e-3, 1e-2, 0.1, 0.5)]
+        cells += [(n, 0.01, "uniform") for n in (1 << 16, 1 << 20, 1 << 24)]
+        cells += [(1 << 22, d, s) for s in ("identical", "disjoint", "powerlaw") for d in (1e-3, 1e-2)]
+        return cells
+    raise ValueError(f"unknown sweep {kind!r}")
+
+
+def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress=None):
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm)
     rows = []
-    for size in sizes:
-        for density in densities:
-            k = max(1, int(round(size * density)))
-            for support in supports:
-                s = make_stream(size, k, support, rank, nprocs)
-                dense_x = s.to_dense()
-                cases = {("dense mpi4jax", "-"): jax.jit(lambda x: dense_allreduce(x, comm=comm))}
-                args = {("dense mpi4jax", "-"): (dense_x,)}
-                if baselines:
-                    host = np.array(dense_x)
-                    host_sum = np.empty_like(host)
-                    cases[("mpi4py Allreduce (numpy)", "-")] = lambda: comm.Allreduce(host, host_sum, op=MPI.SUM)
-                    args[("mpi4py Allreduce (numpy)", "-")] = ()
-                    for transport in transports:
-                        name = ("naive allgather+sum", transport)
-                        cases[name] = jax.jit(lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t))
-                        args[name] = (s,)
-                for transport in transports:
-                    for algorithm in algorithms:
-                        name = (algorithm, transport)
-                        cases[name] = jax.jit(lambda s, a=algorithm, t=transport: sparse_allreduce(
-                            s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True))
-                        args[name] = (s,)
-                stats = {}
-                for name, fn in cases.items():  # compile and warm up
-                    first = block(fn(*args[name]))
-                    block(fn(*args[name]))
-                    if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
-                        stats[name] = first[1]
-                samples = {name: [] for name in cases}
-                for _ in range(reps):  # interleaved
-                    for name, fn in cases.items():
-                        samples[name] += _timed(comm, lambda: fn(*args[name]), 1)
-                dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
-                for name, times in samples.items():
-                    st = stats.get(name)
-                    algo = ALGORITHMS[int(st.algorithm)] if st is not None and int(st.algorithm) >= 0 else None
-                    sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
-                    predicted = None
-                    if name[0] in ALGORITHMS or name[0] == "auto":
-                        predicted = float(model.predict(algo or name[0], size=size, nnz=k, nprocs=nprocs,
-                                                        transport=name[1], capacity=k))
-                    elif name[0].startswith("dense"):
-                        predicted = float(model.predict("dense", size=size, nnz=k, nprocs=nprocs))
-                    rows.append(dict(
-                        P=nprocs, N=size, density=density, support=support, algorithm=name[0], transport=name[1],
-                        chosen=algo, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
-                        ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
-                        result_nnz=int(st.result_nnz) if st is not None else None, predicted=predicted,
-                    ))
-                if progress:
-                    progress()
+    for cell_index, (size, density, support) in enumerate(cells):
+        k = max(1, int(round(size * density)))
+        if progress:
+            progress(cell_index, len(cells), f"N=2^{int(math.log2(size))} density={density:.2%} {support}")
+        s = make_stream(size, k, support, rank, nprocs)
+        dense_x = s.to_dense()
+        cases = {("dense mpi4jax", "-"): (jax.jit(lambda x: dense_allreduce(x, comm=comm)), (dense_x,))}
+        if baselines:
+            host = np.array(dense_x)
+            host_sum = np.empty_like(host)
+            cases[("mpi4py Allreduce (numpy)", "-")] = (lambda: comm.Allreduce(host, host_sum, op=MPI.SUM), ())
+            for transport in transports:
+                cases[("naive allgather+sum", transport)] = (jax.jit(
+                    lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t, return_stats=True)), (s,))
+        for transport in transports:
+            for algorithm in algorithms:
+                cases[(algorithm, transport)] = (jax.jit(lambda s, a=algorithm, t=transport: sparse_allreduce(
+                    s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True)), (s,))
+        stats = {}
+        for name, (fn, args) in cases.items():  # compile and warm up
+            first = block(fn(*args))
+            block(fn(*args))
+            if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
+                stats[name] = first[1]
+        samples = {name: [] for name in cases}
+        for _ in range(reps):  # interleaved, so that noise hits every case alike
+            for name, (fn, args) in cases.items():
+                samples[name] += _timed(comm, lambda: fn(*args), 1)
+        dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
+        for name, times in samples.items():
+            st = stats.get(name)
+            chosen = ALGORITHMS[int(st.algorithm)] if st is not None and int(st.algorithm) >= 0 else None
+            sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
+            if name[0] in ALGORITHMS or name[0] == "auto":
+                predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
+                                                transport=name[1], capacity=k))
+            elif name[0].startswith(("dense", "mpi4py")):
+                predicted = float(model.predict("dense", size=size, nnz=k, nprocs=nprocs))
+            else:
+                predicted = None
+            rows.append(dict(
+                P=nprocs, N=size, density=density, support=support, algorithm=name[0], transport=name[1],
+                chosen=chosen, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
+                ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
+                result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
+                alpha=model.alpha, beta=model.beta,
+            ))
+    if progress:
+        progress(len(cells), len(cells), "done")
     return rows, model
+
+
+def _progress_bar(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:40s}", end="" if done < total else "\n",
+          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(prog="mpirun -n P python -m sparcml_jax.bench allreduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 22])
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.1])
-    parser.add_argument("--supports", nargs="+", default=["uniform"], choices=SUPPORTS)
+    parser.add_argument("--sweep", default="issue", choices=["quick", "issue", "full"],
+                        help="which cells to measure (see scenarios()); --sizes/--densities/--supports override")
+    parser.add_argument("--sizes", type=int, nargs="+")
+    parser.add_argument("--densities", type=float, nargs="+")
+    parser.add_argument("--supports", nargs="+", choices=SUPPORTS)
     parser.add_argument("--algorithms", nargs="+", default=[*ALGORITHMS[1:], "auto"])
     parser.add_argument("--transports", nargs="+", default=["native", "mpi4jax"])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--no-baselines", action="store_true", help="skip the mpi4py and naive allgather baselines")
-    parser.add_argument("--quick", action="store_true", help="a small sweep for smoke tests")
+    parser.add_argument("--quick", action="store_true", help="the quick sweep with 3 repetitions (a smoke run)")
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    parser.add_argument("--csv", help="write the rows to this CSV file (rank 0)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.sizes, args.densities, args.reps = [1 << 14], [0.01, 0.3], 3
+        args.sweep, args.reps = "quick", 3
+    cells = scenarios(args.sweep)
+    if args.sizes or args.densities or args.supports:
+        cells = [(n, d, sup) for n in (args.sizes or [1 << 22]) for d in (args.densities or [0.001, 0.01, 0.1])
+                 for sup in (args.supports or ["uniform"])]
     comm = resolve_comm(None)
-    rows, model = run(args.sizes, args.densities, args.supports, args.algorithms, args.transports, args.reps, comm,
-                      baselines=not args.no_baselines)
+    rows, model = run(cells, args.algorithms, args.transports, args.reps, comm, baselines=not args.no_baselines,
+                      progress=_progress_bar if comm.Get_rank() == 0 else None)
     if comm.Get_rank() == 0:
         print(f"P={comm.Get_size()}  calibrated alpha={model.alpha * 1e6:.1f} us  "
               f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)")
         print_table(
             ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
-             "MB sent/rank", "model"],
-            [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.1%}", r["support"], r["algorithm"], r["transport"],
+             "MB sent/rank", "result density", "model"],
+            [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.2%}", r["support"], r["algorithm"], r["transport"],
               r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
               f"{r['ratio_to_dense']:.3f}", "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
+              "" if r["result_density"] is None else f"{r['result_density']:.2%}",
               "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
         )
         print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+        if args.csv:
+            with open(args.csv, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
     return rows

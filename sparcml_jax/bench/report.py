@@ -1,0 +1,155 @@
+"""Turns JSON rows of ``bench allreduce`` runs (one file per P and network) into markdown tables
+and paper-style plots: time versus density per algorithm beside the dense line, and speedup
+versus P. Plots need the optional matplotlib (``pip install sparcml_jax[plots]``).
+
+    python -m sparcml_jax.bench report results/*.json --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+SPARSE = ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+
+
+def load(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        label = Path(path).stem
+        for row in json.loads(Path(path).read_text()):
+            row.setdefault("network", row.get("network") or label)
+            rows.append(row)
+    return rows
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Per cell: dense, the best SparCML algorithm, auto and the baselines, as ratios to dense."""
+    cells = defaultdict(dict)
+    for r in rows:
+        cells[(r["network"], r["P"], r["N"], r["support"], r["density"])][(r["algorithm"], r["transport"])] = r
+    lines = ["| network | P | N | support | density | dense ms | best SparCML | best / dense | auto / dense "
+             "| auto / best | naive allgather / best | mpi4py numpy / dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (network, p, n, support, density), c in sorted(cells.items()):
+        dense = c.get(("dense mpi4jax", "-"))
+        sparse = [r for (a, _), r in c.items() if a in SPARSE]
+        if not dense or not sparse:
+            continue
+        best = min(sparse, key=lambda r: r["median"])
+        autos = [r for (a, _), r in c.items() if a == "auto"]
+        auto = min(autos, key=lambda r: r["median"]) if autos else None
+        naive = [r for (a, _), r in c.items() if a.startswith("naive")]
+        naive_best = min(naive, key=lambda r: r["median"]) if naive else None
+        numpy = c.get(("mpi4py Allreduce (numpy)", "-"))
+
+        def ratio(a, b, digits=3):
+            return "" if a is None or b is None else f"{a['median'] / b['median']:.{digits}f}"
+
+        lines.append(
+            f"| {network} | {p} | 2^{int(math.log2(n))} | {support} | {density:.2%} | {dense['median'] * 1e3:.2f} | "
+            f"{best['algorithm']} ({best['transport']}) | {ratio(best, dense)} | {ratio(auto, dense)} | "
+            f"{ratio(auto, best, 2)} | {ratio(naive_best, best, 2)} | {ratio(numpy, dense)} |")
+    return "\n".join(lines)
+
+
+def model_table(rows: list[dict], min_bytes: float = 1e6) -> str:
+    """Measured over predicted time for the SparCML rows whose largest message exceeds ``min_bytes``."""
+    lines = ["| network | P | N | density | algorithm | transport | MB sent | measured ms | model ms | measured / model |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["network"], r["P"], r["N"], r["density"], r["algorithm"])):
+        if r["algorithm"] not in (*SPARSE, "dense mpi4jax") or not r.get("predicted"):
+            continue
+        sent = r.get("bytes_sent_max") or (8 * r["N"] if r["algorithm"].startswith("dense") else 0)
+        if sent < min_bytes:
+            continue
+        lines.append(f"| {r['network']} | {r['P']} | 2^{int(math.log2(r['N']))} | {r['density']:.2%} | "
+                     f"{r['algorithm']} | {r['transport']} | {sent / 1e6:.2f} | {r['median'] * 1e3:.2f} | "
+                     f"{r['predicted'] * 1e3:.2f} | {r['median'] / r['predicted']:.2f} |")
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups = defaultdict(list)
+    for r in rows:
+        if r["support"] == "uniform":
+            groups[(r["network"], r["P"], r["N"])].append(r)
+    for (network, p, n), rs in sorted(groups.items()):
+        densities = sorted({r["density"] for r in rs})
+        if len(densities) < 3:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (algorithm, transport) in sorted({(r["algorithm"], r["transport"]) for r in rs}):
+            pts = sorted((r["density"], r["median"] * 1e3) for r in rs
+                         if (r["algorithm"], r["transport"]) == (algorithm, transport))
+            style = dict(color="black", linewidth=2) if algorithm.startswith("dense") else {}
+            ax.plot(*zip(*pts), marker="o", label=f"{algorithm} {'' if transport == '-' else transport}", **style)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("density per rank")
+        ax.set_ylabel("time [ms] (median, max over ranks)")
+        ax.set_title(f"allreduce of 2^{int(math.log2(n))} float32, P={p}, {network}")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / f"time_vs_density_{network}_P{p}_N{int(math.log2(n))}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    speed = defaultdict(dict)
+    for r in rows:
+        if r["support"] == "uniform" and r["algorithm"] in SPARSE:
+            key = (r["network"], r["N"], r["density"])
+            dense = next((d for d in rows if d["algorithm"] == "dense mpi4jax" and d["P"] == r["P"]
+                          and d["N"] == r["N"] and d["density"] == r["density"] and d["network"] == r["network"]
+                          and d["support"] == "uniform"), None)
+            if dense:
+                best = speed[key].get(r["P"], 0)
+                speed[key][r["P"]] = max(best, dense["median"] / r["median"])
+    series = {k: v for k, v in speed.items() if len(v) >= 2}
+    if series:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for (network, n, density), by_p in sorted(series.items()):
+            ps = sorted(by_p)
+            ax.plot(ps, [by_p[p] for p in ps], marker="o", label=f"{network} 2^{int(math.log2(n))} {density:.2%}")
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_xlabel("P (ranks)")
+        ax.set_ylabel("speedup of the best SparCML algorithm over dense")
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / "speedup_vs_P.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sparcml_jax.bench report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", help="JSON files written by `bench allreduce --json`")
+    parser.add_argument("--out", default=".", help="directory for report.md and the PNG plots")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load(args.files)
+    text = "## Summary\n\n" + summary_table(rows) + "\n\n## Measured vs model (messages above 1 MB)\n\n" + model_table(rows)
+    written = []
+    if not args.no_plots:
+        try:
+            written = plots(rows, out)
+        except ImportError:
+            print("matplotlib is not installed: no plots (pip install sparcml_jax[plots])")
+    text += "\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in written) + "\n"
+    (out / "report.md").write_text(text)
+    print(text)
