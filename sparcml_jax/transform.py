@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
 from sparcml_jax.comm import get_transport, resolve_comm
-from sparcml_jax.kernels.partition import from_dense
+from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax.stream import VALUE_DTYPE
 
@@ -206,7 +206,12 @@ def allreduce_gradients(
             group_key = jax.random.fold_in(step_key, g)
 
             def sparse_path(flat):
-                stream = from_dense(flat, capacity=budget) if exact else select(flat, budget, group_key)
+                if counted is not None:
+                    stream = counted
+                elif exact:
+                    stream = from_dense(flat, capacity=budget)
+                else:
+                    stream = select(flat, budget, group_key)
                 rest = flat - stream.to_dense() if error_feedback else jnp.float32(0)
                 reduced, stats = sparse_allreduce(stream, comm=the_comm, key=group_key, return_stats=True, **collective)
                 if average:  # scaling the nnz values is cheaper than a pass over the dense result
@@ -222,9 +227,11 @@ def allreduce_gradients(
 
             dynamic_warmup = isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0
             send_dense = state.step < warmup_steps if dynamic_warmup else None
+            counted = None
             if exact and capacity is not None and capacity < n:
                 budget = capacity
-                too_many = _max_over_ranks(jnp.count_nonzero(flat).astype(jnp.int32), the_comm) > capacity
+                counted, count = from_dense_counted(flat, capacity)
+                too_many = _max_over_ranks(count, the_comm) > capacity
                 send_dense = too_many if send_dense is None else send_dense | too_many
             if send_dense is None:
                 summed, rest, nnz, sent, code = sparse_path(flat)

@@ -15,6 +15,17 @@ ffi::Error FromDenseImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> ou
   return sparcml::KernelError(status, err);
 }
 
+ffi::Error FromDenseCountedImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out_idx,
+                                ffi::ResultBuffer<ffi::F32> out_val, ffi::ResultBufferR0<ffi::S32> out_nnz,
+                                ffi::ResultBufferR0<ffi::S32> out_count) {
+  int64_t nnz = 0, count = 0;
+  sparcml_from_dense_counted(x.typed_data(), static_cast<int64_t>(x.element_count()), out_idx->typed_data(),
+                             out_val->typed_data(), static_cast<int64_t>(out_idx->element_count()), &nnz, &count);
+  out_nnz->typed_data()[0] = static_cast<int32_t>(nnz);
+  out_count->typed_data()[0] = static_cast<int32_t>(count);
+  return ffi::Error::Success();
+}
+
 ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
                           ffi::Buffer<ffi::F32> dense, ffi::ResultBuffer<ffi::F32> out) {
   char err[SPARCML_ERRLEN] = {0};
@@ -51,6 +62,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlFromDense, FromDenseImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Attr<int64_t>("dense_threshold"));
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlFromDenseCounted(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlFromDenseCounted, FromDenseCountedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>());
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlScatterAdd(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlScatterAdd, ScatterAddImpl,

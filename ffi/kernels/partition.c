@@ -37,6 +37,22 @@ int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32
   return 0;
 }
 
+void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap,
+                                int64_t *out_nnz, int64_t *count) {
+  int64_t o = 0, i = 0;
+  for (; i < n && o < out_cap; ++i) {
+    if (x[i] != 0.0f) {
+      out_idx[o] = (int32_t)i;
+      out_val[o++] = x[i];
+    }
+  }
+  int64_t rest = 0;
+  for (; i < n; ++i) rest += x[i] != 0.0f;
+  sparcml_pad_tail(out_idx, out_val, o, out_cap, n);
+  *out_nnz = o;
+  *count = o + rest;
+}
+
 int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, const float *dense,
                         int64_t n, float *out, char *err) {
   if (sparcml_check_stream("stream", idx, nnz, cap, n, err)) return 1;

@@ -13,6 +13,11 @@ extern "C" {
  * The result is the dense representation when the count reaches dense_threshold and
  * out_cap >= n; otherwise it stays sparse and a count above out_cap is an error.
  * Output tail is padded (see common.h). */
+/* One pass: the first min(count, out_cap) nonzeros of x as pairs (never the dense form), and
+ * the true count, so that callers can detect an overflow collectively instead of failing. */
+void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap,
+                                int64_t *out_nnz, int64_t *count);
+
 int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
                        int64_t out_cap, int64_t *out_nnz, char *err);
 

@@ -24,6 +24,7 @@ from sparcml_jax.kernels._common import attr_i64, check_stream, check_vector, on
 from sparcml_jax.stream import MAX_SIZE, INDEX_DTYPE, VALUE_DTYPE, SparseStream, check_size, dense_threshold
 
 _FROM_DENSE = "sparcml_from_dense"
+_FROM_DENSE_COUNTED = "sparcml_from_dense_counted"
 _SCATTER_ADD = "sparcml_scatter_add"
 _SPLIT = "sparcml_split"
 _GATHER = "sparcml_gather"
@@ -104,6 +105,43 @@ def from_dense(x: jax.Array, capacity: int | None = None, delta: float = 1.0) ->
 
     def reference(x):
         return from_dense_reference(x, capacity=capacity, delta=delta)
+
+    return on_cpu_or_reference(ffi_impl, reference, x)
+
+
+def from_dense_counted(x: jax.Array, capacity: int) -> tuple[SparseStream, jax.Array]:
+    """The first ``capacity`` nonzeros of ``x`` and the true nonzero count, in one pass.
+
+    Unlike :func:`from_dense` it never raises and never returns the dense form: callers compare
+    the count with ``capacity`` (for example collectively, so that all ranks take the same path).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax.kernels.partition import from_dense_counted
+      >>> s, count = from_dense_counted(jnp.array([0., 2., 3., 0., 4.]), capacity=2)
+      >>> s.indices.tolist(), int(s.nnz), int(count)
+      ([1, 2], 2, 3)
+    """
+    x = check_vector(x, "x")
+    size = check_size(x.shape[0], "x.size")
+    capacity = _check_count(capacity, "capacity", 0)
+
+    def ffi_impl(x):
+        _lib.register_cpu_target(_FROM_DENSE_COUNTED, "SparcmlFromDenseCounted")
+        out = (
+            jax.ShapeDtypeStruct((capacity,), INDEX_DTYPE),
+            jax.ShapeDtypeStruct((capacity,), VALUE_DTYPE),
+            jax.ShapeDtypeStruct((), INDEX_DTYPE),
+            jax.ShapeDtypeStruct((), INDEX_DTYPE),
+        )
+        idx, val, nnz, count = jax.ffi.ffi_call(_FROM_DENSE_COUNTED, out, vmap_method="sequential")(x)
+        return SparseStream(idx, val, nnz, size), count
+
+    def reference(x):
+        count = jnp.sum(x != 0, dtype=INDEX_DTYPE)
+        (positions,) = jnp.nonzero(x != 0, size=capacity, fill_value=size)
+        positions = positions.astype(INDEX_DTYPE)
+        return SparseStream(positions, _take_or_zero(x, positions), jnp.minimum(count, capacity), size), count
 
     return on_cpu_or_reference(ffi_impl, reference, x)
 

@@ -378,7 +378,8 @@ def qsgd_dequantize_reference(q: QuantizedVector) -> jax.Array:
     levels = jnp.asarray((np.arange(1 << bits, dtype=np.int32) - L).astype(np.float32) / np.float32(L))
     shifts = jnp.arange(per_byte, dtype=jnp.uint8) * np.uint8(bits)
     codes = ((q.data[:, None] >> shifts) & np.uint8((1 << bits) - 1)).reshape(-1)[:size]
-    scales = jnp.repeat(q.scales, bucket_size, total_repeat_length=q.scales.shape[0] * bucket_size)[:size]
+    nb = q.scales.shape[0]
+    scales = jnp.broadcast_to(q.scales[:, None], (nb, bucket_size)).reshape(-1)[:size]  # (jnp.repeat compiles slowly)
     out = levels[codes] * scales
     # Results below FLT_MIN become signed zeros, whatever the floating-point environment.
     obits = jax.lax.bitcast_convert_type(out, jnp.uint32)
