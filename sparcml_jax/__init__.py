@@ -5,6 +5,7 @@ inside ``jax.jit``, and an optax transformation for data-parallel training.
 """
 
 from sparcml_jax.collectives import (
+    reset_after_error,
     ALGORITHMS,
     AllreduceStats,
     CostModel,
@@ -24,7 +25,14 @@ from sparcml_jax.kernels.partition import (
     split,
     split_reference,
 )
-from sparcml_jax.kernels.qsgd import QuantizedVector, qsgd_dequantize, qsgd_quantize
+from sparcml_jax.kernels.qsgd import (
+    QuantizedVector,
+    qsgd_dequantize,
+    qsgd_dequantize_reference,
+    qsgd_quantize,
+    qsgd_quantize_reference,
+    qsgd_wire_bytes,
+)
 from sparcml_jax.kernels.topk import topk, topk_reference
 from sparcml_jax.stream import SparseStream, dense_threshold
 from sparcml_jax.transform import (
@@ -55,8 +63,12 @@ __all__ = [
     "merge_capacity",
     "merge_reference",
     "partition_bounds",
+    "reset_after_error",
     "qsgd_dequantize",
+    "qsgd_dequantize_reference",
     "qsgd_quantize",
+    "qsgd_quantize_reference",
+    "qsgd_wire_bytes",
     "scatter_add",
     "scatter_add_reference",
     "sparse_allgather",

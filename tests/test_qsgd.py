@@ -49,6 +49,16 @@ def numpy_decode(data, scales, size, bits, bucket_size):
     return np.where(np.isfinite(scale), out, np.nan), codes
 
 
+def both(x, key, **kw):
+    """Quantizes and decodes with the C kernels and with the references (each in one jit), checks
+    that both agree bit for bit, and returns the C (quantized, decoded)."""
+    c = jax.jit(lambda x, k: (q := qsgd_quantize(x, k, **kw), qsgd_dequantize(q)))(x, key)
+    r = jax.jit(lambda x, k: (q := qsgd_quantize_reference(x, k, **kw), qsgd_dequantize_reference(q)))(x, key)
+    assert_same_quantized(c[0], r[0])
+    assert_bit_equal(c[1], r[1])
+    return c
+
+
 def sample(rng, n, zeros=0.1):
     x = rng.standard_normal(n).astype(np.float32)
     x[rng.random(n) < zeros] = 0.0
@@ -57,7 +67,7 @@ def sample(rng, n, zeros=0.1):
 
 # Short last buckets (of length 1 too), codes straddling bucket boundaries inside a byte, and
 # buckets longer than the kernel's 4096-code staging chunk.
-CASES = [(1, 1024), (7, 3), (5000, 333), (10001, 4999)]
+CASES = [(7, 3), (5000, 333), (10001, 4999)]
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -67,18 +77,29 @@ def test_c_matches_reference_bit_exact(bits, scale, n, bucket_size):
     x = sample(np.random.default_rng(n + bits), n)
     key = jax.random.key(n * 10 + bits)
     kw = dict(bits=bits, bucket_size=bucket_size, scale=scale)
-    q, out = jax.jit(lambda x, k: (q := qsgd_quantize(x, k, **kw), qsgd_dequantize(q)))(x, key)
-    r, ref_out = jax.jit(lambda x, k: (r := qsgd_quantize_reference(x, k, **kw), qsgd_dequantize_reference(r)))(x, key)
+    q, out = both(x, key, **kw)
     assert q.data.shape == (qsgd_packed_bytes(n, bits),) and q.data.dtype == jnp.uint8
     assert q.scales.shape == (qsgd_num_buckets(n, bucket_size),) and q.scales.dtype == jnp.float32
-    assert_same_quantized(q, r)
     assert out.shape == (n,) and out.dtype == jnp.float32
-    assert_bit_equal(out, ref_out)
     # Each value lands on one of the two levels around it: |Q(v) - v| < scale / L, same sign.
     s = np.repeat(np.asarray(q.scales), bucket_size)[:n]
     xn, on = np.asarray(x), np.asarray(out)
     assert np.all(np.abs(on - xn) <= s / qsgd_levels(bits) * (1 + 1e-6))
     assert np.all(on * xn >= 0)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_threaded_chunks_match_reference(scale):
+    # Long vectors are split into bucket- and byte-aligned chunks on XLA's thread pool (chunks of
+    # at least 2**16 values; lcm(333, 4) = 1332 here), also per row under vmap.
+    kw = dict(bits=2, bucket_size=333, scale=scale)
+    x = sample(np.random.default_rng(9), 200_001)
+    both(x, jax.random.key(9), **kw)
+    xs, keys = x[:200_000].reshape(2, 100_000), jax.random.split(jax.random.key(10), 2)
+    c = jax.jit(jax.vmap(lambda x, k: (q := qsgd_quantize(x, k, **kw), qsgd_dequantize(q))))(xs, keys)
+    r = jax.jit(jax.vmap(lambda x, k: (q := qsgd_quantize_reference(x, k, **kw), qsgd_dequantize_reference(q))))(xs, keys)
+    assert_same_quantized(c[0], r[0])
+    assert_bit_equal(c[1], r[1])
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -121,6 +142,9 @@ def test_under_jit_and_vmap():
     over_keys = jax.jit(jax.vmap(lambda k: qsgd_quantize(x, k, **kw)))(keys)
     raw_keys = jax.vmap(lambda k: qsgd_quantize(x, k, **kw))(jax.random.key_data(keys))
     decoded = jax.vmap(qsgd_dequantize)(over_keys)
+    ref = jax.jit(jax.vmap(lambda k: qsgd_quantize_reference(x, k, **kw)))(keys)
+    assert_same_quantized(ref, over_keys)
+    assert_bit_equal(jax.vmap(qsgd_dequantize_reference)(ref), decoded)
     assert over_keys.data.shape == (5, qsgd_packed_bytes(777, 4)) and over_keys.size == 777
     for i, q in enumerate(eager):
         row = jax.tree.map(lambda a: a[i], over_keys)
@@ -159,9 +183,9 @@ def test_same_key_same_output_different_key_different_output():
 @pytest.mark.parametrize("bits", BITS)
 def test_size_one_and_empty(bits):
     for scale in SCALES:
-        q = qsgd_quantize(jnp.array([-0.75], jnp.float32), jax.random.key(0), bits=bits, scale=scale)
+        q, out = both(jnp.array([-0.75], jnp.float32), jax.random.key(0), bits=bits, scale=scale)
         assert q.data.shape == (1,) and q.scales.tolist() == [0.75]
-        assert qsgd_dequantize(q).tolist() == [-0.75]
+        assert out.tolist() == [-0.75]
         assert int(q.data[0]) == 0  # code L - L = 0
     q = qsgd_quantize(jnp.zeros((0,), jnp.float32), jax.random.key(0), bits=bits)
     assert q.data.shape == (0,) and q.scales.shape == (0,) and qsgd_dequantize(q).shape == (0,)
@@ -191,15 +215,6 @@ def test_representable_values_decode_exactly(bits):
     x = jnp.zeros(1000, jnp.float32).at[::100].set(jnp.float32(0.3) * jnp.arange(-5, 5, dtype=jnp.float32))
     out = qsgd_dequantize(qsgd_quantize(x, jax.random.key(4), bits=bits, bucket_size=100, scale="l2"))
     assert_bit_equal(out, x)
-
-
-def both(x, key, **kw):
-    """(C quantized, C decoded), (reference quantized, reference decoded), each in one jit."""
-    c = jax.jit(lambda x, k: (q := qsgd_quantize(x, k, **kw), qsgd_dequantize(q)))(x, key)
-    r = jax.jit(lambda x, k: (q := qsgd_quantize_reference(x, k, **kw), qsgd_dequantize_reference(q)))(x, key)
-    assert_same_quantized(c[0], r[0])
-    assert_bit_equal(c[1], r[1])
-    return c
 
 
 @pytest.mark.parametrize("scale", SCALES)

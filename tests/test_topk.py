@@ -47,22 +47,25 @@ def random_vector(rng, n, kind):
     if kind == "close":  # many keys sharing their top 16 bits, differing in the low ones
         x = (1.0 + rng.integers(0, 64, n) * np.float32(2**-23)).astype(np.float32)
         return np.where(rng.random(n) < 0.5, -x, x)
+    if kind == "bfloat16":  # upcast bf16 gradients: the low 16 key bits are all zero
+        return np.asarray(jnp.asarray(rng.standard_normal(n), jnp.bfloat16).astype(jnp.float32))
     if kind == "special":
         pool = np.array([0.0, -0.0, 1.0, -1.0, INF, -INF, NAN, 2.5, 1e-45, -3e38], np.float32)
         return pool[rng.integers(0, pool.size, n)]
     raise ValueError(kind)
 
 
-KINDS = ["normal", "duplicates", "sparse", "close", "special"]
+KINDS = ["normal", "duplicates", "sparse", "close", "bfloat16", "special"]
 
 
 # Sizes straddle the kernel's internal regimes (small-n radix, full histogram, sampled floor).
-@pytest.mark.parametrize("n", [1, 2, 37, 1000, 8192, 70001, 300000])
+# (Small n, k = 0 and k = n are covered by the property test and the edge-case tests below.)
+@pytest.mark.parametrize("n", [1000, 8192, 70001, 300000])
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_oracle_and_reference(n, kind):
     rng = np.random.default_rng(n * 31 + KINDS.index(kind))
     x = random_vector(rng, n, kind)
-    for k in sorted({0, 1, max(1, n // 1000), n // 100, n // 7, n // 2, n - 1, n}):
+    for k in sorted({1, max(1, n // 1000), n // 100, n // 2, n - 1}):
         s = topk_jit(jnp.asarray(x), k)
         assert_matches_oracle(s, x, k)
         r = reference_jit(jnp.asarray(x), k)
@@ -114,6 +117,10 @@ def test_vmap():
             np.testing.assert_array_equal(bits(out.values[row]), bits(want_val))
         ref = jax.vmap(lambda v: topk_reference(v, k))(jnp.asarray(xs))
         np.testing.assert_array_equal(np.asarray(ref.indices), np.asarray(out.indices))
+    # Batch axis not in front, and nested vmaps: one kernel call over all rows either way.
+    out = jax.vmap(jax.vmap(lambda v: topk(v, 30), in_axes=1), in_axes=2)(jnp.asarray(xs.T[:, :, None]))
+    for row, x in enumerate(xs):
+        np.testing.assert_array_equal(np.asarray(out.indices[0, row]), oracle(x, 30)[0])
 
 
 def test_empty_vector():

@@ -266,21 +266,65 @@ ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   return ffi::Error::Success();
 }
 
-// --- summary: validates the local stream and agrees on counts before anything is sent, so a bad
-// input on one rank makes every rank raise instead of leaving peers blocked.
+// --- summary: the first MPI call of every collective. Ranks agree on the static signature
+// (size, capacity, algorithm, ...), validate their streams and agree on counts before anything
+// is sent, so a mismatch or a bad input on one rank makes every rank raise instead of leaving
+// peers blocked. A rank that rejected its arguments in Python joins with its error flag set.
+std::vector<std::string> SplitNames(std::string_view names) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= names.size()) {
+    size_t comma = names.find(',', start);
+    if (comma == std::string_view::npos) comma = names.size();
+    out.emplace_back(names.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string Render(const std::string& name, int64_t value) {
+  if (name == "delta" || name == "alpha" || name == "beta") {
+    double d;
+    std::memcpy(&d, &value, sizeof d);
+    return std::to_string(d);
+  }
+  return std::to_string(value);
+}
+
 ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, ffi::Token,
-                       ffi::ResultBuffer<ffi::S32> summary, ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n) {
+                       ffi::ResultBuffer<ffi::S32> summary, ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n,
+                       ffi::Span<const int64_t> signature, std::string_view field_names) {
   MPI_Comm comm = sparcml::CommFromF(comm_handle);
+  int parts, rank;
+  MPI_Comm_size(comm, &parts);
+  MPI_Comm_rank(comm, &rank);
+  int fields = static_cast<int>(signature.size());
+  std::vector<int64_t> mine(signature.begin(), signature.end()), all(static_cast<size_t>(fields) * parts);
+  MPI_Allgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm);
+  std::vector<std::string> names = SplitNames(field_names);
+  for (int f = 0; f < fields; ++f) {
+    bool same = true;
+    for (int r = 1; r < parts; ++r) same = same && all[r * fields + f] == all[f];
+    if (same) continue;
+    std::string name = f < static_cast<int>(names.size()) ? names[f] : std::to_string(f);
+    std::string listing;
+    for (int r = 0; r < parts && r < 8; ++r)
+      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + Render(name, all[r * fields + f]);
+    if (name == "argument error") {
+      return ffi::Error::InvalidArgument("rank " + std::to_string(rank) +
+                                         ": another rank rejected its arguments (see its error); " + listing);
+    }
+    return ffi::Error::InvalidArgument("ranks disagree on " + name + " (" + listing + "); every rank must pass the same " +
+                                       name);
+  }
+
   char err[SPARCML_ERRLEN] = {0};
   int64_t count = nnz.typed_data()[0];
   int bad = sparcml_check_stream("stream", idx.typed_data(), count, static_cast<int64_t>(idx.element_count()), n, err);
-  // {any rank bad, max nnz, -min nnz, sum of nnz (saturating is not needed: nnz <= n < 2^31 per rank)}
   long long local[4] = {bad, bad ? 0 : count, bad ? 0 : -count, bad ? 0 : count};
   long long global[4];
   MPI_Allreduce(local, global, 3, MPI_LONG_LONG, MPI_MAX, comm);
   MPI_Allreduce(local + 3, global + 3, 1, MPI_LONG_LONG, MPI_SUM, comm);
-  int rank;
-  MPI_Comm_rank(comm, &rank);
   if (bad) return ffi::Error::InvalidArgument("rank " + std::to_string(rank) + ": " + err);
   if (global[0]) return ffi::Error::InvalidArgument("invalid input stream on another rank (see that rank's error)");
   int32_t* out = summary->typed_data();
@@ -351,7 +395,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiSummary, SummaryImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Token>()
                                   .Attr<int64_t>("comm")
-                                  .Attr<int64_t>("n"));
+                                  .Attr<int64_t>("n")
+                                  .Attr<ffi::Span<const int64_t>>("signature")
+                                  .Attr<std::string_view>("fields"));
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiCheck(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiCheck, CheckImpl,

@@ -184,16 +184,37 @@ SPARCML_HOT static void pack_codes(const uint8_t *c, int64_t count, int bits, ui
   }
 }
 
-int sparcml_qsgd_quantize(const float *x, int64_t n, int bits, int64_t bucket, int scale_kind, uint32_t key0,
-                          uint32_t key1, uint8_t *packed, float *scales, char *err) {
+int64_t sparcml_qsgd_alignment(int64_t bucket, int bits) {
+  int64_t per_byte = 8 / bits, a = bucket;
+  while (a % per_byte != 0) a += bucket; /* lcm(bucket, per_byte): per_byte is 1, 2 or 4 */
+  return a;
+}
+
+static int check_range(int64_t n, int64_t first, int64_t count, int bits, int64_t bucket, char *err) {
+  int64_t align = sparcml_qsgd_alignment(bucket, bits), end = first + count;
+  if (first < 0 || count < 0 || end > n || first % align != 0 || (end != n && end % align != 0)) {
+    snprintf(err, SPARCML_ERRLEN,
+             "qsgd: range [%lld, %lld) of n=%lld must lie inside [0, n) with both ends multiples of %lld "
+             "(bucket_size and whole bytes) or the end at n",
+             (long long)first, (long long)end, (long long)n, (long long)align);
+    return 1;
+  }
+  return 0;
+}
+
+int sparcml_qsgd_quantize_range(const float *x, int64_t n, int64_t first, int64_t count, int bits, int64_t bucket,
+                                int scale_kind, uint32_t key0, uint32_t key1, uint8_t *packed, float *scales,
+                                char *err) {
   if (sparcml_qsgd_check(n, bits, bucket, scale_kind, err)) return 1;
+  if (check_range(n, first, count, bits, bucket, err)) return 1;
   const int L = (1 << (bits - 1)) - 1, per_byte = 8 / bits;
+  const int64_t end = first + count;
   uint32_t s0, s1;
   sparcml_qsgd_seed(key0, key1, &s0, &s1);
 
   float *work = NULL;
-  if (scale_kind == SPARCML_QSGD_SCALE_L2 && n > 1) {
-    int64_t h = 1, m = bucket < n ? bucket : n;
+  if (scale_kind == SPARCML_QSGD_SCALE_L2 && count > 1) {
+    int64_t h = 1, m = bucket < count ? bucket : count;
     while (2 * h < m) h *= 2;
     work = (float *)malloc((size_t)h * sizeof(float));
     if (!work) {
@@ -204,9 +225,9 @@ int sparcml_qsgd_quantize(const float *x, int64_t n, int bits, int64_t bucket, i
 
   uint8_t stage[STAGE + 8];
   int64_t pending = 0; /* codes in stage not yet packed (< per_byte) */
-  uint8_t *out = packed;
-  for (int64_t start = 0, b = 0; start < n; start += bucket, ++b) {
-    int64_t m = n - start < bucket ? n - start : bucket;
+  uint8_t *out = packed + first / per_byte;
+  for (int64_t start = first, b = first / bucket; start < end; start += bucket, ++b) {
+    int64_t m = end - start < bucket ? end - start : bucket;
     float scale = bucket_scale(x + start, m, scale_kind, work);
     scales[b] = scale;
     for (int64_t off = 0; off < m; off += STAGE) {
@@ -225,6 +246,11 @@ int sparcml_qsgd_quantize(const float *x, int64_t n, int bits, int64_t bucket, i
   }
   free(work);
   return 0;
+}
+
+int sparcml_qsgd_quantize(const float *x, int64_t n, int bits, int64_t bucket, int scale_kind, uint32_t key0,
+                          uint32_t key1, uint8_t *packed, float *scales, char *err) {
+  return sparcml_qsgd_quantize_range(x, n, 0, n, bits, bucket, scale_kind, key0, key1, packed, scales, err);
 }
 
 /* ((code - L) / L) * scale, a result below FLT_MIN flushed to a signed zero. */
@@ -259,11 +285,13 @@ DEFINE_DECODE(2)
 DEFINE_DECODE(4)
 DEFINE_DECODE(8)
 
-int sparcml_qsgd_dequantize(const uint8_t *packed, const float *scales, int64_t n, int bits, int64_t bucket,
-                            float *out, char *err) {
+int sparcml_qsgd_dequantize_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
+                                  int64_t count, int bits, int64_t bucket, float *out, char *err) {
   if (sparcml_qsgd_check(n, bits, bucket, -1, err)) return 1;
-  for (int64_t start = 0, b = 0; start < n; start += bucket, ++b) {
-    int64_t m = n - start < bucket ? n - start : bucket;
+  if (check_range(n, first, count, bits, bucket, err)) return 1;
+  const int64_t end = first + count;
+  for (int64_t start = first, b = first / bucket; start < end; start += bucket, ++b) {
+    int64_t m = end - start < bucket ? end - start : bucket;
     float scale = scales[b];
     if (!isfinite(scale)) {
       for (int64_t j = 0; j < m; ++j) out[start + j] = NAN;
@@ -276,4 +304,9 @@ int sparcml_qsgd_dequantize(const uint8_t *packed, const float *scales, int64_t 
     }
   }
   return 0;
+}
+
+int sparcml_qsgd_dequantize(const uint8_t *packed, const float *scales, int64_t n, int bits, int64_t bucket,
+                            float *out, char *err) {
+  return sparcml_qsgd_dequantize_range(packed, scales, n, 0, n, bits, bucket, out, err);
 }

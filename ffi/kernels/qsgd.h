@@ -60,6 +60,19 @@ int sparcml_qsgd_quantize(const float *x, int64_t n, int bits, int64_t bucket, i
 int sparcml_qsgd_dequantize(const uint8_t *packed, const float *scales, int64_t n, int bits, int64_t bucket,
                             float *out, char *err);
 
+/* Ranges, for splitting one vector across threads: the same results as the whole-vector calls
+ * for elements [first, first + count). Pointers are to the whole vector's buffers; first must be
+ * a multiple of sparcml_qsgd_alignment(bucket, bits) = lcm(bucket, 8 / bits), and so must
+ * first + count unless it equals n. Disjoint ranges touch disjoint bytes of every buffer. */
+int64_t sparcml_qsgd_alignment(int64_t bucket, int bits);
+
+int sparcml_qsgd_quantize_range(const float *x, int64_t n, int64_t first, int64_t count, int bits, int64_t bucket,
+                                int scale_kind, uint32_t key0, uint32_t key1, uint8_t *packed, float *scales,
+                                char *err);
+
+int sparcml_qsgd_dequantize_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
+                                  int64_t count, int bits, int64_t bucket, float *out, char *err);
+
 #ifdef __cplusplus
 }
 #endif

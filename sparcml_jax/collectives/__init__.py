@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.collectives._agree import agree, cost_model_for
+from sparcml_jax.collectives._agree import cost_model_for, reject_everywhere, reset_after_error, signature
 from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, Progress
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.dense import dense_allreduce, dense_as_stream
@@ -30,7 +30,8 @@ from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.merge import merge
 from sparcml_jax.stream import SparseStream
 
-__all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "sparse_allgather", "sparse_allreduce"]
+__all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
+           "sparse_allreduce"]
 
 _QUANTIZE_BITS = (2, 4, 8)
 
@@ -89,36 +90,51 @@ def sparse_allreduce(
       >>> float(total.to_dense().sum()) == MPI.COMM_WORLD.size
       True
     """
-    check_stream(stream, "stream")
     comm = resolve_comm(comm)
-    t = get_transport(transport)
-    if algorithm != "auto" and algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
-    if quantize_bits is not None:
-        if quantize_bits not in _QUANTIZE_BITS:
-            raise ValueError(f"quantize_bits must be one of {_QUANTIZE_BITS} or None, got {quantize_bits!r}")
-        if algorithm not in ("auto", "dsar_split_allgather"):
-            raise ValueError(
-                f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), not {algorithm!r}"
-            )
-        if key is None:
-            raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
-    if cost_model is None and algorithm == "auto":
-        cost_model = cost_model_for(comm)
+    measured = cost_model_for(comm)  # every rank's first collective on comm calibrates, whichever it is
+    model = measured if cost_model is None else cost_model
+    try:
+        check_stream(stream, "stream")
+        t = get_transport(transport)
+        if algorithm != "auto" and algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+        if quantize_bits is not None:
+            if quantize_bits not in _QUANTIZE_BITS:
+                raise ValueError(f"quantize_bits must be one of {_QUANTIZE_BITS} or None, got {quantize_bits!r}")
+            if algorithm not in ("auto", "dsar_split_allgather"):
+                raise ValueError(
+                    f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), not {algorithm!r}"
+                )
+            if key is None:
+                raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
+    except (TypeError, ValueError) as e:
+        reject_everywhere(comm, e)
     plan = Plan(comm, t, float(delta), quantize_bits, int(bucket_size), quantize_scale)
-    fn = _compiled(plan, algorithm, cost_model)
+    fn = _compiled(plan, algorithm, model if algorithm == "auto" else None)
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
-    result, stats = fn(stream, key)
+    result, stats = _call_and_recover(fn, stream, key)
     return (result, stats) if return_stats else result
+
+
+def _call_and_recover(fn, *args):
+    """Runs a compiled collective; called eagerly, it also waits, so that an error surfaces here
+    (on every rank together) and JAX's ordered-effect token is reset before it propagates."""
+    try:
+        out = fn(*args)
+        if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+            jax.block_until_ready(out)
+        return out
+    except Exception:
+        reset_after_error()
+        raise
 
 
 @functools.lru_cache(maxsize=256)
 def _compiled(plan: Plan, algorithm: str, cost_model: CostModel | None):
     @jax.jit
     def run(stream: SparseStream, key):
-        _agree_on(plan, algorithm, stream)
-        # Validates every rank's stream (all raise together) and agrees on the largest nnz.
-        summary = native.summary(stream, comm=plan.comm)
+        # Agrees on the signature, validates every rank's stream (all raise together) and on the largest nnz.
+        summary = native.summary(stream, comm=plan.comm, signature=_signature(plan, algorithm, stream, cost_model))
         name = algorithm if algorithm != "auto" else _static_choice(plan, stream, cost_model)
         if name is not None:
             result, progress = _run(name, stream, plan, key)
@@ -131,12 +147,13 @@ def _compiled(plan: Plan, algorithm: str, cost_model: CostModel | None):
     return run
 
 
-def _agree_on(plan: Plan, algorithm: str, s: SparseStream) -> None:
-    agree(plan.comm, "sparse_allreduce", {
-        "size": s.size, "capacity": s.capacity, "dtype": str(s.values.dtype), "algorithm": algorithm,
-        "transport": plan.transport.NAME, "delta": plan.delta, "quantize_bits": plan.quantize_bits,
-        "bucket_size": plan.bucket_size, "quantize_scale": plan.quantize_scale,
-    })
+def _signature(plan: Plan, algorithm: str, s: SparseStream, model: CostModel | None) -> dict[str, int]:
+    return signature(
+        "allreduce", size=s.size, capacity=s.capacity, algorithm=(*ALGORITHMS, "auto").index(algorithm),
+        transport=plan.transport.NAME, delta=plan.delta, quantize_bits=plan.quantize_bits,
+        bucket_size=plan.bucket_size, quantize_scale=plan.quantize_scale,
+        alpha=None if model is None else float(model.alpha), beta=None if model is None else float(model.beta),
+    )
 
 
 def _candidates(plan: Plan) -> tuple[str, ...]:
@@ -194,10 +211,14 @@ def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, tran
       >>> sparse_allgather(mine).to_dense()[::2].tolist() == [r + 1.0 for r in range(size)]
       True
     """
-    check_stream(stream, "stream")
     comm = resolve_comm(comm)
-    plan = Plan(comm, get_transport(transport), float(delta))
-    result, stats = _compiled_allgather(plan)(stream)
+    cost_model_for(comm)  # every rank's first collective on comm calibrates, whichever it is
+    try:
+        check_stream(stream, "stream")
+        plan = Plan(comm, get_transport(transport), float(delta))
+    except (TypeError, ValueError) as e:
+        reject_everywhere(comm, e)
+    result, stats = _call_and_recover(_compiled_allgather(plan), stream)
     return (result, stats) if return_stats else result
 
 
@@ -205,9 +226,8 @@ def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, tran
 def _compiled_allgather(plan: Plan):
     @jax.jit
     def run(s: SparseStream):
-        agree(plan.comm, "sparse_allgather", {"size": s.size, "capacity": s.capacity, "transport": plan.transport.NAME,
-                                              "delta": plan.delta})
-        native.summary(s, comm=plan.comm)
+        native.summary(s, comm=plan.comm, signature=signature(
+            "allgather", size=s.size, capacity=s.capacity, transport=plan.transport.NAME, delta=plan.delta))
         (idx, val, nnz), status, sent = plan.transport.gather_streams(s, status=jnp.int32(0), comm=plan.comm)
         streams = [SparseStream(idx[r], val[r], nnz[r], s.size) for r in range(plan.nprocs)]
         while len(streams) > 1:  # pairwise tree: log2 P levels of merges

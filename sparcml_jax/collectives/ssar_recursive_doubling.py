@@ -28,10 +28,10 @@ def ssar_recursive_doubling(s: SparseStream, plan: Plan) -> tuple[SparseStream, 
     if extra:  # fold
         if r >= lower:
             _, status, sent = t.exchange(s, dest=r - lower, source=None, recv_capacity=capacity,
-                                         status=progress.status, comm=comm, round=round_index)
+                                         status=progress.status, comm=comm, round=round_index, delta=plan.delta)
         elif r < extra:
             got, status, sent = t.exchange(s, dest=None, source=r + lower, recv_capacity=capacity,
-                                           status=progress.status, comm=comm, round=round_index)
+                                           status=progress.status, comm=comm, round=round_index, delta=plan.delta)
             s = grow(s, got, capacity)
         else:
             status, sent = progress.status, 0.0
@@ -45,7 +45,7 @@ def ssar_recursive_doubling(s: SparseStream, plan: Plan) -> tuple[SparseStream, 
         if r < lower:
             partner = r ^ distance
             got, status, sent = t.exchange(s, dest=partner, source=partner, recv_capacity=capacity,
-                                           status=progress.status, comm=comm, round=round_index)
+                                           status=progress.status, comm=comm, round=round_index, delta=plan.delta)
             s = grow(s, got, capacity)
             progress = progress.after(round_index, status, sent, s.is_dense)
         capacity = grown_capacity(capacity, s.size, 2, plan.delta)
@@ -55,10 +55,10 @@ def ssar_recursive_doubling(s: SparseStream, plan: Plan) -> tuple[SparseStream, 
     if extra:  # unfold
         if r < extra:
             _, status, sent = t.exchange(s, dest=r + lower, source=None, recv_capacity=capacity,
-                                         status=progress.status, comm=comm, round=round_index)
+                                         status=progress.status, comm=comm, round=round_index, delta=plan.delta)
             progress = progress.after(round_index, status, sent, s.is_dense)
         elif r >= lower:
             s, status, sent = t.exchange(resize(s, capacity), dest=None, source=r - lower, recv_capacity=capacity,
-                                         status=progress.status, comm=comm, round=round_index)
+                                         status=progress.status, comm=comm, round=round_index, delta=plan.delta)
             progress = progress.after(round_index, status, sent, s.is_dense)
     return s, progress

@@ -34,7 +34,7 @@ def ordered_ffi_primitive(
 
     ``result_avals(*operand_avals, **params)`` gives the (static) result shapes. Params named in
     ``shape_params`` only shape the results; all others are passed to the handler as attributes,
-    so they must be numpy scalars of the handler's type.
+    so they must be numpy scalars of the handler's type, strings, or tuples of ints (int64 arrays).
     """
     prim = Primitive(name)
     prim.multiple_results = True
@@ -48,7 +48,9 @@ def ordered_ffi_primitive(
         sub = ctx.replace(
             avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
         )
-        attrs = {k: v for k, v in params.items() if k not in shape_params}
+        # Params must be hashable, so array attributes travel as tuples of ints.
+        attrs = {k: np.asarray(v, np.int64) if isinstance(v, tuple) else v
+                 for k, v in params.items() if k not in shape_params}
         *results, token = jax.ffi.ffi_lowering(target, has_side_effect=True)(sub, *operands, token, **attrs)
         ctx.set_tokens_out(mlir.TokenSet({ORDERED_EFFECT: token}))
         return results

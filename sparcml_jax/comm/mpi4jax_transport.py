@@ -51,17 +51,21 @@ def _dense_stream(values: jax.Array) -> SparseStream:
 
 
 def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capacity: int, status: jax.Array,
-             comm: MPI.Comm, round: int = 0):
+             comm: MPI.Comm, round: int = 0, delta: float = 1.0):
     if dest is not None and source is not None and recv_capacity != s.capacity:
         raise ValueError(f"mpi4jax transport: static exchange needs equal capacities ({s.capacity} != {recv_capacity})")
     tag = _TAG_BASE + round
-    dense = recv_capacity >= s.size and s.capacity >= s.size
-    if dense:
-        payload = jnp.concatenate([jnp.stack([status, jnp.int32(0)]).astype(INDEX_DTYPE),
-                                   jax.lax.bitcast_convert_type(s.to_dense(), INDEX_DTYPE)])
+    n = s.size
+    # Once the buffers can hold the dense vector, a message of n int32 slots carries either the
+    # dense values or, below SparCML's threshold, the (at most n // 2) pairs: 4 bytes per entry
+    # instead of 8, and the switch still follows the actual count.
+    compact = recv_capacity >= n and s.capacity >= n and dense_threshold(n, delta) - 1 <= n // 2
+    if compact:
+        payload = _pack_compact(s, status, delta)
     else:
         payload = _pack(s.indices, s.values, s.nnz, status)
-    template = jnp.zeros((_HEADER + (s.size if dense else 2 * recv_capacity),), INDEX_DTYPE)
+    template = jnp.zeros_like(payload) if recv_capacity == s.capacity else jnp.zeros(
+        (_HEADER + 2 * recv_capacity,), INDEX_DTYPE)
     if dest is not None and source is not None:
         received = mpi4jax.sendrecv(payload, template, source, dest, sendtag=tag, recvtag=tag, comm=comm)
     elif dest is not None:
@@ -73,13 +77,34 @@ def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capa
         received = None
     sent = jnp.float32(4 * payload.shape[0] if dest is not None else 0)
     if received is None:
-        return SparseStream.empty(s.size, recv_capacity), status, sent
-    if dense:
-        got = _dense_stream(jax.lax.bitcast_convert_type(received[_HEADER:], VALUE_DTYPE))
-        got = resize(got, recv_capacity)
-        return got, jnp.maximum(status, received[0]), sent
+        return SparseStream.empty(n, recv_capacity), status, sent
+    if compact:
+        got, peer_status = _unpack_compact(received, n, recv_capacity)
+        return got, jnp.maximum(status, peer_status), sent
     idx, val, nnz, peer_status = _unpack(received, recv_capacity)
-    return SparseStream(idx, val, nnz, s.size), jnp.maximum(status, peer_status), sent
+    return SparseStream(idx, val, nnz, n), jnp.maximum(status, peer_status), sent
+
+
+def _pack_compact(s: SparseStream, status, delta: float) -> jax.Array:
+    """[nnz, status, n slots]: the dense values when nnz reaches the threshold, else the pairs."""
+    n, half = s.size, s.size // 2
+    go_dense = s.nnz >= dense_threshold(n, delta)
+    pairs = jnp.concatenate([s.indices[:half], jax.lax.bitcast_convert_type(s.values[:half], INDEX_DTYPE),
+                             jnp.zeros((n - 2 * half,), INDEX_DTYPE)])
+    dense = jax.lax.bitcast_convert_type(s.to_dense(), INDEX_DTYPE)
+    body = jax.lax.cond(go_dense, lambda: dense, lambda: pairs)
+    nnz = jnp.where(go_dense, n, s.nnz).astype(INDEX_DTYPE)
+    return jnp.concatenate([jnp.stack([nnz, jnp.asarray(status, INDEX_DTYPE)]), body])
+
+
+def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> tuple[SparseStream, jax.Array]:
+    half = n // 2
+    nnz, body = buf[0], buf[_HEADER:]
+    dense = resize(_dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
+    pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
+                   capacity)
+    got = jax.tree.map(lambda d, p: jnp.where(nnz == n, d, p), dense, pairs)
+    return got, buf[1]
 
 
 def _segments(s: SparseStream, parts: int, slot: int) -> jax.Array:

@@ -64,8 +64,12 @@ def _bind_stream(prim, s: SparseStream, status, size: int, **params):
 
 
 def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capacity: int, status: jax.Array,
-             comm: MPI.Comm, round: int = 0):
-    """Sends ``s`` to ``dest`` and receives a stream from ``source`` (None: that side is skipped)."""
+             comm: MPI.Comm, round: int = 0, delta: float = 1.0):
+    """Sends ``s`` to ``dest`` and receives a stream from ``source`` (None: that side is skipped).
+
+    Only the valid pairs travel, or the dense values once the stream is dense; ``delta`` is not
+    needed here because the sender's merge already applied the switch.
+    """
     return _bind_stream(
         _exchange_p, s, status, s.size, recv_capacity=i64(recv_capacity), comm=i64(comm.py2f()),
         dest=i64(-1 if dest is None else dest), source=i64(-1 if source is None else source),
@@ -103,9 +107,14 @@ def gather_streams(s: SparseStream, *, status: jax.Array, comm: MPI.Comm):
     return (idx, val, nnz), status, sent
 
 
-def summary(s: SparseStream, *, comm: MPI.Comm) -> jax.Array:
-    """Validates every rank's stream (all raise if one is bad); returns [max nnz, min nnz, sum nnz]."""
-    (out,) = _summary_p.bind(s.indices, s.nnz, comm=i64(comm.py2f()), n=i64(s.size))
+def summary(s: SparseStream, *, comm: MPI.Comm, signature: dict[str, int]) -> jax.Array:
+    """The first MPI call of every collective: ranks agree on ``signature`` (static choices that
+    must match everywhere) and validate their streams; any mismatch or bad stream raises on every
+    rank. Returns [max nnz, min nnz, sum nnz] over ranks."""
+    (out,) = _summary_p.bind(
+        s.indices, s.nnz, comm=i64(comm.py2f()), n=i64(s.size),
+        signature=tuple(int(v) for v in signature.values()), fields=",".join(signature),
+    )
     return out
 
 

@@ -2,11 +2,9 @@
 next collective still works (run under mpirun -n P; the spawner's timeout turns a hang into a
 failure).
 
-Ranks that disagree on a static choice are caught when the collective is traced, so every
-disagreement here uses a size that no other test compiles (a rank that hits its jit cache skips
-the agreement and its peers hang: pinned by tests/test_mpi_spawn.py, which runs such hangs in
-their own short mpirun). Bad streams are caught at run time by the validation that precedes any
-exchange, so they reuse the good programs.
+Ranks that disagree on a static choice are caught by the signature check inside the first MPI
+call of every collective (tests/test_mpi_spawn.py also covers ranks that diverge before it). Bad
+streams are caught by the validation that precedes any exchange, so they reuse the good programs.
 """
 
 from __future__ import annotations
@@ -25,10 +23,10 @@ from _util import (
     agree_on_poisoned_tokens,
     expect_error_everywhere,
     make_stream,
-    reset_runtime_tokens,
     run_and_agree,
 )
 
+import sparcml_jax
 from sparcml_jax import SparseStream, sparse_allgather, sparse_allreduce
 
 SIZE, CAPACITY = 1000, 24  # the "sparse" configuration of test_collectives: programs are shared
@@ -52,25 +50,10 @@ def assert_next_collective_works(algorithm: str = "ssar_recursive_doubling", tra
     run_and_agree(body, f"good allreduce after an error ({algorithm}/{transport})")
 
 
-POISONED_TOKEN_BUG = (
-    "library bug: a collective that fails while XLA:CPU runs its program asynchronously leaves the error in "
-    "JAX's ordered-effect runtime token, so every later MPI op on that rank (ours and mpi4jax's) re-raises it "
-    "without communicating"
-)
-
-
-def recovered_from_poisoned_token(algorithm: str = "ssar_recursive_doubling", transport: str = "native") -> bool:
-    """Checks that the next collective works; True when the known poisoned-token bug struck first.
-
-    Ranks agree on the token state before the next collective: a rank with a poisoned token would
-    raise without communicating and leave its peers blocked. When it struck, the tokens are reset
-    (test isolation) and the collective is checked after the reset.
-    """
-    poisoned = agree_on_poisoned_tokens()
-    if poisoned:
-        reset_runtime_tokens()
+def assert_recovered(algorithm: str = "ssar_recursive_doubling", transport: str = "native") -> None:
+    """No rank is left with a failed ordered-effect token, and the next collective works."""
+    agree_all(agree_on_poisoned_tokens(), "no stale error left in JAX's runtime token")
     assert_next_collective_works(algorithm, transport)
-    return bool(poisoned)
 
 
 def stream_of_size(size: int, capacity: int) -> SparseStream:
@@ -182,15 +165,11 @@ def expected_message(kind: str):
 @pytest.mark.parametrize("algorithm", ALGORITHMS_AND_AUTO)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_bad_stream_on_one_rank_raises_everywhere(transport, algorithm):
-    poisoned = []
     for kind in BAD_KINDS:
         expect_error_everywhere(
             lambda: sparse_allreduce(bad_stream(kind), algorithm=algorithm, transport=transport),
             expected_message(kind), f"{kind} stream on rank {BAD_RANK} ({algorithm}/{transport})")
-        if recovered_from_poisoned_token(algorithm, transport):
-            poisoned.append(kind)
-    if poisoned:  # which programs XLA runs asynchronously depends on their size (P, transport)
-        pytest.xfail(f"{POISONED_TOKEN_BUG} (after {poisoned}); pinned by test_error_in_async_program_*")
+        assert_recovered(algorithm, transport)  # the eager call resets JAX's token itself
 
 
 def test_bad_stream_on_one_rank_inside_user_jit():
@@ -199,22 +178,18 @@ def test_bad_stream_on_one_rank_inside_user_jit():
         return sparse_allreduce(s, algorithm="ssar_split_allgather").to_dense()
 
     good = good_inputs()
-    poisoned = []
     for kind in ("unsorted", "nnz_over_capacity"):
         expect_error_everywhere(lambda: step(bad_stream(kind)), expected_message(kind), f"jit: {kind}")
-        if recovered_from_poisoned_token("ssar_split_allgather"):
-            poisoned.append(kind)
+        sparcml_jax.reset_after_error()  # inside a user's jit the user recovers, as documented
+        assert_recovered("ssar_split_allgather")
         run_and_agree(lambda: [] if np.array_equal(np.asarray(step(good.stream)), good.total) else ["wrong sum"],
                       "the same jitted step with a good stream")
-    if poisoned:
-        pytest.xfail(f"{POISONED_TOKEN_BUG} (after {poisoned})")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=POISONED_TOKEN_BUG)
-def test_error_in_async_program_does_not_poison_later_collectives():
-    """Minimal reproducer: a user's step with a loop (XLA:CPU runs it asynchronously) around an
-    allreduce that gets a bad stream on one rank. Every rank raises (good), but afterwards every
-    rank's next ordered program re-raises that stale error (bad), even a plain dense_allreduce."""
+def test_reset_after_error_recovers_from_an_async_failure():
+    """A user's step with a loop (XLA:CPU runs it asynchronously) around an allreduce that gets a
+    bad stream on one rank: every rank raises, JAX keeps the error in its ordered-effect token
+    (every later MPI program would re-raise it), and reset_after_error() clears it on every rank."""
     @jax.jit
     def step(s, x):
         x = jax.lax.fori_loop(0, 50, lambda i, x: jnp.sin(x) + 1, x)
@@ -224,28 +199,20 @@ def test_error_in_async_program_does_not_poison_later_collectives():
     good = good_inputs()
     run_and_agree(lambda: (step(good.stream, x).block_until_ready(), [])[1], "warm-up")
     expect_error_everywhere(lambda: step(bad_stream("unsorted"), x), expected_message("unsorted"), "async step")
-    poisoned = agree_on_poisoned_tokens()
-    if poisoned:
-        reset_runtime_tokens()
-    assert_next_collective_works()
-    assert not poisoned, "later collectives re-raise the stale error: " + "; ".join(poisoned)
+    sparcml_jax.reset_after_error()
+    assert_recovered()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_bad_stream_in_allgather_raises_everywhere(transport):
     good = good_inputs()
-    poisoned = []
     for kind in ("unsorted", "out_of_range", "nnz_over_capacity"):
         expect_error_everywhere(lambda: sparse_allgather(bad_stream(kind), transport=transport),
                                 expected_message(kind), f"sparse_allgather {kind} ({transport})")
-        if agree_on_poisoned_tokens():
-            reset_runtime_tokens()
-            poisoned.append(kind)
+        agree_all(agree_on_poisoned_tokens(), "no stale error left in JAX's runtime token")
         run_and_agree(lambda: [] if np.array_equal(np.asarray(sparse_allgather(good.stream, transport=transport)
                                                               .to_dense()), good.total) else ["wrong union"],
                       "sparse_allgather after an error")
-    if poisoned:
-        pytest.xfail(f"{POISONED_TOKEN_BUG} (after {poisoned})")
 
 
 # ----------------------------------------------------------------------------- bad arguments (every rank)

@@ -71,20 +71,6 @@ def bits(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).view(np.uint32)
 
 
-MPI4JAX_DENSE_BUG = (
-    "library bug: the mpi4jax transport's exchange (SSAR recursive doubling) sends a stream whose static "
-    "capacity reaches N as a dense vector and the receiver takes it as a dense stream (nnz = N), so the result "
-    "turns dense on the capacity instead of the actual count (e.g. 2 nonzeros of N = 1001 come back with nnz = N)"
-)
-
-
-def known_mpi4jax_dense_bug(algorithm: str, transport: str, nnz: int, want_nnz: int, inp: Inputs,
-                            capacity: int) -> bool:
-    """The one known deviation (pinned by test_mpi4jax_recursive_doubling_decides_dense_on_actual_count)."""
-    return (algorithm == "ssar_recursive_doubling" and transport == "mpi4jax" and NPROCS > 1
-            and nnz == inp.size and want_nnz < inp.size and capacity >= inp.size)
-
-
 def check_result(label: str, algorithm: str, inp: Inputs, out: SparseStream, stats, scale: float = 1.0,
                  transport: str = "native") -> list[str]:
     """Sum, representation, stats and well-formedness of one result (no communication)."""
@@ -99,7 +85,7 @@ def check_result(label: str, algorithm: str, inp: Inputs, out: SparseStream, sta
     nnz = int(out.nnz)
     if algorithm != "auto":
         want_nnz = expected_nnz(algorithm, inp, out.capacity)
-        if nnz != want_nnz and not known_mpi4jax_dense_bug(algorithm, transport, nnz, want_nnz, inp, out.capacity):
+        if nnz != want_nnz:
             failures.append(f"{label}: nnz={nnz}, expected {want_nnz} (union {inp.union.size}, dense threshold "
                             f"{dense_threshold(inp.size)}, result capacity {out.capacity})")
     code = int(stats.algorithm)
@@ -176,7 +162,6 @@ def compare_with_explicit(label: str, inp: Inputs, transport: str, chosen: str, 
 
 
 @pytest.mark.skipif(NPROCS < 2, reason="one process exchanges nothing")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=MPI4JAX_DENSE_BUG)
 def test_mpi4jax_recursive_doubling_decides_dense_on_actual_count():
     """Minimal reproducer: one or two nonzeros per rank in streams of capacity N = 1001."""
     inp = inputs("full", 1e-3, "random")
