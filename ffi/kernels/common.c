@@ -21,16 +21,18 @@ int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, 
              (long long)indices[0]);
     return 1;
   }
-  int64_t prev = -1;
-  for (int64_t i = 0; i < nnz; ++i) {
-    int64_t cur = indices[i];
-    if (cur <= prev) {
-      snprintf(err, SPARCML_ERRLEN,
-               "%s: indices must be strictly increasing (sorted, no duplicates); violated at position %lld (%lld after %lld)",
-               name, (long long)i, (long long)cur, (long long)prev);
-      return 1;
+  /* The common case (valid) runs as one branch-free pass; the position is found only on failure. */
+  int unsorted = 0;
+  for (int64_t i = 1; i < nnz; ++i) unsorted |= indices[i] <= indices[i - 1];
+  if (unsorted) {
+    for (int64_t i = 1; i < nnz; ++i) {
+      if (indices[i] <= indices[i - 1]) {
+        snprintf(err, SPARCML_ERRLEN,
+                 "%s: indices must be strictly increasing (sorted, no duplicates); violated at position %lld (%lld after %lld)",
+                 name, (long long)i, (long long)indices[i], (long long)indices[i - 1]);
+        return 1;
+      }
     }
-    prev = cur;
   }
   if (nnz > 0 && indices[nnz - 1] >= n) {
     snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld", name, (long long)n,
