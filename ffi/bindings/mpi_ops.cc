@@ -66,12 +66,12 @@ ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ff
   MPI_Comm comm = sparcml::CommFromF(comm_handle);
   Status status = static_cast<Status>(status_in.typed_data()[0]);
   int64_t count = nnz.typed_data()[0];
-  std::vector<char> message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n,
+  sparcml::Bytes message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n,
                                                    count == n, status, /*delta=*/1e300);
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, sparcml::Peer(dest), static_cast<int>(tag),
             comm, &request);
-  std::vector<char> received = sparcml::ReceiveAny(comm, sparcml::Peer(source), static_cast<int>(tag), nullptr);
+  sparcml::Bytes received = sparcml::ReceiveAny(comm, sparcml::Peer(source), static_cast<int>(tag), nullptr);
   MPI_Wait(&request, MPI_STATUS_IGNORE);
 
   Segment s = sparcml::UnpackSegment(received);
@@ -101,7 +101,7 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   int64_t count = nnz.typed_data()[0];
   bool in_dense = count == n;
 
-  std::vector<std::vector<char>> messages(parts);
+  std::vector<sparcml::Bytes> messages(parts);
   std::vector<MPI_Request> requests;
   double sent = 0;
   for (int r = 0; r < parts; ++r) {
@@ -116,19 +116,22 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
               &requests.back());
     sent += messages[r].size() - sizeof(Header);
   }
-  std::vector<std::vector<char>> received(parts);
+  std::vector<sparcml::Bytes> received(parts);
   for (int i = 0; i < parts - 1; ++i) {
     int source = 0;
-    std::vector<char> buffer = sparcml::ReceiveAny(comm, MPI_ANY_SOURCE, static_cast<int>(tag), &source);
+    sparcml::Bytes buffer = sparcml::ReceiveAny(comm, MPI_ANY_SOURCE, static_cast<int>(tag), &source);
     received[source] = std::move(buffer);
   }
   received[me] = std::move(messages[me]);
   MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
 
   Range mine = PartOf(n, parts, me);
-  int64_t length = mine.hi - mine.lo, threshold = DenseThreshold(length, delta);
-  std::vector<int32_t> acc_idx(length), tmp_idx(length);
-  std::vector<float> acc_val(length), tmp_val(length);
+  int64_t length = mine.hi - mine.lo, threshold = DenseThreshold(length, delta), total = 0;
+  for (int r = 0; r < parts; ++r) total += sparcml::UnpackSegment(received[r]).header.count;
+  // Room for the union; the whole range only when the sum may turn dense.
+  int64_t room = total >= threshold ? length : std::min(total, length);
+  sparcml::Scratch<int32_t> acc_idx(room), tmp_idx(room);
+  sparcml::Scratch<float> acc_val(room), tmp_val(room);
   int64_t acc_nnz = 0;
   char err[SPARCML_ERRLEN] = {0};
   for (int r = 0; r < parts; ++r) {
@@ -137,8 +140,8 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
     if (status != sparcml::kOk) break;
     int64_t merged = 0;
     // A dense segment has nnz == length; merge never reads its indices.
-    if (sparcml_merge(acc_idx.data(), acc_val.data(), acc_nnz, length, s.idx, s.val, s.header.count,
-                      s.header.count, length, threshold, tmp_idx.data(), tmp_val.data(), length, &merged, err)) {
+    if (sparcml_merge(acc_idx.data(), acc_val.data(), acc_nnz, room, s.idx, s.val, s.header.count,
+                      s.header.count, length, threshold, tmp_idx.data(), tmp_val.data(), room, &merged, err)) {
       sparcml::SetError(&status, sparcml::kBadInput, err);
       break;
     }
@@ -171,21 +174,20 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   Status status = static_cast<Status>(status_in.typed_data()[0]);
   Range mine = PartOf(n, parts, me);
   int64_t length = mine.hi - mine.lo, count = pnnz.typed_data()[0];
-  std::vector<char> message = sparcml::PackSegment(pidx.typed_data(), pval.typed_data(), 0, count, 0, length,
+  sparcml::Bytes message = sparcml::PackSegment(pidx.typed_data(), pval.typed_data(), 0, count, 0, length,
                                                    count == length, status, delta);
   int my_bytes = static_cast<int>(message.size());
   std::vector<int> sizes(parts), displs(parts + 1, 0);
   MPI_Allgather(&my_bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
   for (int r = 0; r < parts; ++r) displs[r + 1] = displs[r] + sizes[r];
-  std::vector<char> all(displs[parts]);
+  sparcml::Bytes all(displs[parts]);
   MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
 
   std::vector<Segment> segments(parts);
   int64_t total = 0;
   for (int r = 0; r < parts; ++r) {
-    std::vector<char> one(all.begin() + displs[r], all.begin() + displs[r + 1]);
     Header h;
-    std::memcpy(&h, one.data(), sizeof h);
+    std::memcpy(&h, all.data() + displs[r], sizeof h);
     if (h.status != sparcml::kOk && status == sparcml::kOk) {
       status = sparcml::kPeerFailed;
       sparcml::LastError() = "a peer rank failed earlier in this collective";
@@ -245,17 +247,16 @@ ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   MPI_Comm_size(comm, &parts);
   Status status = static_cast<Status>(status_in.typed_data()[0]);
   int64_t count = nnz.typed_data()[0], cap = static_cast<int64_t>(idx.element_count());
-  std::vector<char> message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n, count == n,
+  sparcml::Bytes message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n, count == n,
                                                    status, /*delta=*/1e300);
   int my_bytes = static_cast<int>(message.size());
   std::vector<int> sizes(parts), displs(parts + 1, 0);
   MPI_Allgather(&my_bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
   for (int r = 0; r < parts; ++r) displs[r + 1] = displs[r] + sizes[r];
-  std::vector<char> all(displs[parts]);
+  sparcml::Bytes all(displs[parts]);
   MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
   for (int r = 0; r < parts; ++r) {
-    std::vector<char> one(all.begin() + displs[r], all.begin() + displs[r + 1]);
-    Segment s = sparcml::UnpackSegment(one);
+    Segment s = sparcml::UnpackSegment(all.data() + displs[r], static_cast<size_t>(displs[r + 1] - displs[r]));
     status = Incoming(status, s);
     if (status != sparcml::kOk) s.header.count = 0;
     StoreSegment(s, n, oidx->typed_data() + r * cap, oval->typed_data() + r * cap, cap, onnz->typed_data() + r,

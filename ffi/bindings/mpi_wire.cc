@@ -14,11 +14,11 @@ void SetError(Status* status, Status code, const std::string& message) {
   }
 }
 
-std::vector<char> PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t end, int64_t offset,
+Bytes PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t end, int64_t offset,
                               int64_t length, bool source_dense, int32_t status, double delta) {
   Header h{status, 0, 0, 0};
   if (status != kOk) {
-    std::vector<char> out(sizeof(Header));
+    Bytes out(sizeof(Header));
     std::memcpy(out.data(), &h, sizeof h);
     return out;
   }
@@ -28,7 +28,7 @@ std::vector<char> PackSegment(const int32_t* idx, const float* val, int64_t begi
   h.dense = dense;
   h.count = static_cast<int32_t>(dense ? length : count);
   size_t payload = dense ? length * sizeof(float) : count * (sizeof(int32_t) + sizeof(float));
-  std::vector<char> out(sizeof(Header) + payload);
+  Bytes out(sizeof(Header) + payload);
   std::memcpy(out.data(), &h, sizeof h);
   char* p = out.data() + sizeof(Header);
   if (dense) {
@@ -47,14 +47,14 @@ std::vector<char> PackSegment(const int32_t* idx, const float* val, int64_t begi
   return out;
 }
 
-Segment UnpackSegment(const std::vector<char>& buffer) {
+Segment UnpackSegment(const char* data, size_t size) {
   Segment s;
-  if (buffer.size() < sizeof(Header)) {
+  if (size < sizeof(Header)) {
     s.header.status = kOk;  // MPI_PROC_NULL: nothing arrived
     return s;
   }
-  std::memcpy(&s.header, buffer.data(), sizeof(Header));
-  const char* p = buffer.data() + sizeof(Header);
+  std::memcpy(&s.header, data, sizeof(Header));
+  const char* p = data + sizeof(Header);
   if (s.header.dense) {
     s.val = reinterpret_cast<const float*>(p);
   } else {
@@ -64,13 +64,13 @@ Segment UnpackSegment(const std::vector<char>& buffer) {
   return s;
 }
 
-std::vector<char> ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {
+Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {
   MPI_Message message;
   MPI_Status st;
   MPI_Mprobe(source, tag, comm, &message, &st);
   int bytes = 0;
   MPI_Get_count(&st, MPI_BYTE, &bytes);
-  std::vector<char> buffer(bytes);
+  Bytes buffer(bytes);
   MPI_Mrecv(buffer.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
   if (actual_source) *actual_source = st.MPI_SOURCE;
   return buffer;

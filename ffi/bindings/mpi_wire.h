@@ -7,12 +7,38 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi_common.h"
 
 namespace sparcml {
+
+// A vector that leaves its elements uninitialized: message and scratch buffers are written in
+// full before they are read, and zeroing megabytes per call would cost a memory pass each.
+template <class T>
+struct NoInit : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = NoInit<U>;
+  };
+  NoInit() = default;
+  template <class U>
+  NoInit(const NoInit<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <class T>
+using Scratch = std::vector<T, NoInit<T>>;
+using Bytes = Scratch<char>;
 
 enum Status : int32_t { kOk = 0, kBadInput = 1, kOverflow = 2, kPeerFailed = 3 };
 
@@ -31,7 +57,7 @@ inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_
 inline int Peer(int64_t rank) { return rank < 0 ? MPI_PROC_NULL : static_cast<int>(rank); }
 
 // Packs pairs [begin, end) of a stream, re-based by `offset`, or a dense slice when cheaper.
-std::vector<char> PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t end, int64_t offset,
+Bytes PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t end, int64_t offset,
                               int64_t length, bool source_dense, int32_t status, double delta);
 
 struct Segment {
@@ -39,9 +65,10 @@ struct Segment {
   const int32_t* idx = nullptr;  // null for a dense slice
   const float* val = nullptr;
 };
-Segment UnpackSegment(const std::vector<char>& buffer);
+Segment UnpackSegment(const char* data, size_t size);
+inline Segment UnpackSegment(const Bytes& buffer) { return UnpackSegment(buffer.data(), buffer.size()); }
 
 // Receives one message of unknown size from `source` (MPI_PROC_NULL yields an empty segment).
-std::vector<char> ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source);
+Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source);
 
 }  // namespace sparcml

@@ -124,8 +124,11 @@ def check(status: jax.Array, *, comm: MPI.Comm) -> None:
 
 
 def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
-    """Concatenates every rank's dense slice of its range (the DSAR allgather phase)."""
-    length = values.shape[0]
-    part = SparseStream(jnp.arange(length, dtype=INDEX_DTYPE), values, jnp.int32(length), length)
-    full, status, sent = allgather(part, size=size, out_capacity=size, status=status, comm=comm, delta=1.0)
-    return full.values, status, sent
+    """Concatenates every rank's dense slice of its range (the DSAR allgather phase).
+
+    The slices have static lengths, so nothing is gained from variable-length messages here:
+    this is mpi4jax's allgather of equal slots (the last range's remainder sets the slot size).
+    """
+    from sparcml_jax.comm import mpi4jax_transport
+
+    return mpi4jax_transport.allgather_dense(values, size=size, status=status, comm=comm)

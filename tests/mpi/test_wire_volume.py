@@ -145,9 +145,7 @@ def expected_bytes(algorithm: str, inp: Inputs, transport: str, quantize_bits: i
             slot = max(lens)
             wire = math.ceil(slot * quantize_bits / 8) + 4 * math.ceil(slot / bucket_size)
             return [rs[r] + (p - 1) * wire for r in range(p)]
-        if transport == "native":
-            return [rs[r] + (p - 1) * 4.0 * lens[r] for r in range(p)]
-        return [rs[r] + (p - 1) * 4.0 * max(lens) for r in range(p)]
+        return [rs[r] + (p - 1) * 4.0 * max(lens) for r in range(p)]  # equal slots, both transports
     raise ValueError(algorithm)
 
 
