@@ -23,9 +23,19 @@ install: $(STAMP)
 build: install
 	PATH=$(VENV_ABS)/bin:$$PATH $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
+# MPICH busy-polls; with more ranks than cores these make waiting ranks yield the CPU.
+OVERSUBSCRIBED := MPIR_CVAR_POLLS_BEFORE_YIELD=1 MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 \
+	MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1
+
 # The main job: the URL-like logistic regression, sparse beside dense, on $(NP) ranks.
 demo: build
-	$(VENV)/bin/mpirun -n $(NP) $(PY) examples/url_logreg.py
+	JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(VENV)/bin/mpirun -n $(NP) $(PY) examples/url_logreg.py
+
+bench: build
+	JAX_PLATFORMS=cpu $(PY) -m sparcml_jax.bench kernels
+	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(VENV)/bin/mpirun -n $$p $(PY) -m sparcml_jax.bench \
+	  allreduce --sweep full --reps 5 --json bench-results/full_P$$p.json || exit 1; done
+	$(PY) -m sparcml_jax.bench report bench-results/full_P2.json bench-results/full_P4.json --out bench-results
 
 test: build
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
