@@ -13,19 +13,8 @@ def block(x: Any) -> Any:
     return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` (its outputs blocked on) over ``reps`` runs after ``warmup``."""
-    for _ in range(warmup):
-        block(fn())
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        block(fn())
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def samples_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> list[float]:
+    """Wall times of ``fn()`` (its outputs blocked on) over ``reps`` runs after ``warmup``."""
     for _ in range(warmup):
         block(fn())
     out = []
@@ -34,6 +23,10 @@ def samples_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> list[f
         block(fn())
         out.append(time.perf_counter() - start)
     return out
+
+
+def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
+    return statistics.median(samples_seconds(fn, reps, warmup))
 
 
 def fmt_time(seconds: float) -> str:

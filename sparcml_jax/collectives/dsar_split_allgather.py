@@ -13,18 +13,15 @@ import jax.numpy as jnp
 import mpi4jax
 
 from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.comm.topology import part_capacity, part_length
+from sparcml_jax.collectives.ssar_split_allgather import split_phase
+from sparcml_jax.comm.topology import part_length
 from sparcml_jax.stream import INDEX_DTYPE, SparseStream
 
 
 def dsar_split_allgather(s: SparseStream, plan: Plan, key: jax.Array | None = None) -> tuple[SparseStream, Progress]:
-    t, comm, nprocs, delta = plan.transport, plan.comm, plan.nprocs, plan.delta
-    progress = Progress.start()
-    part, status, sent = t.reduce_scatter(
-        s, part_capacity=part_capacity(s.capacity, s.size, nprocs, plan.rank, delta),
-        status=progress.status, comm=comm, delta=delta,
-    )
-    progress = progress.after(0, status, sent, part.is_dense)
+    t, comm = plan.transport, plan.comm
+    part, progress = split_phase(s, plan)
+    status = progress.status
     mine = part.to_dense()
     if plan.quantize_bits is None:
         values, status, sent = t.allgather_dense(mine, size=s.size, status=progress.status, comm=comm)

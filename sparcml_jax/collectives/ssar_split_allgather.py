@@ -7,19 +7,25 @@ Best when the result stays sparse: each pair crosses the network about twice.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from sparcml_jax.collectives._plan import Plan, Progress
 from sparcml_jax.comm.topology import gathered_capacity, part_capacity
 from sparcml_jax.stream import SparseStream
 
 
+def split_phase(s: SparseStream, plan: Plan) -> tuple[SparseStream, Progress]:
+    """Round 0 of both split algorithms: rank r ends with the sum of range r (local indices)."""
+    part, status, sent = plan.transport.reduce_scatter(
+        s, part_capacity=part_capacity(s.capacity, s.size, plan.nprocs, plan.rank, plan.delta),
+        status=jnp.int32(0), comm=plan.comm, delta=plan.delta,
+    )
+    return part, Progress.start().after(0, status, sent, part.is_dense)
+
+
 def ssar_split_allgather(s: SparseStream, plan: Plan) -> tuple[SparseStream, Progress]:
     t, comm, nprocs, delta = plan.transport, plan.comm, plan.nprocs, plan.delta
-    progress = Progress.start()
-    part, status, sent = t.reduce_scatter(
-        s, part_capacity=part_capacity(s.capacity, s.size, nprocs, plan.rank, delta),
-        status=progress.status, comm=comm, delta=delta,
-    )
-    progress = progress.after(0, status, sent, part.is_dense)
+    part, progress = split_phase(s, plan)
     result, status, sent = t.allgather(
         part, size=s.size, out_capacity=gathered_capacity(s.capacity, s.size, nprocs, delta), status=progress.status,
         comm=comm, delta=delta,
