@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="the quick sweep with 3 repetitions (a smoke run)")
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     parser.add_argument("--csv", help="write the rows to this CSV file (rank 0)")
+    parser.add_argument("--network", default="local", help="label of the network in the rows (e.g. 1gbit)")
     args = parser.parse_args(argv)
     if args.quick:
         args.sweep, args.reps = "quick", 3
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
         )
         print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better)")
+        for row in rows:
+            row["network"] = args.network
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -19,9 +19,8 @@ SPARSE = ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgath
 def load(paths: list[str]) -> list[dict]:
     rows = []
     for path in paths:
-        label = Path(path).stem
         for row in json.loads(Path(path).read_text()):
-            row.setdefault("network", row.get("network") or label)
+            row.setdefault("network", "local")
             rows.append(row)
     return rows
 
@@ -58,15 +57,16 @@ def summary_table(rows: list[dict]) -> str:
 
 def model_table(rows: list[dict], min_bytes: float = 1e6) -> str:
     """Measured over predicted time for the SparCML rows whose largest message exceeds ``min_bytes``."""
-    lines = ["| network | P | N | density | algorithm | transport | MB sent | measured ms | model ms | measured / model |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["network"], r["P"], r["N"], r["density"], r["algorithm"])):
+    lines = ["| network | P | N | support | density | algorithm | transport | MB sent | measured ms | model ms "
+             "| measured / model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["network"], r["P"], r["N"], r["support"], r["density"], r["algorithm"])):
         if r["algorithm"] not in (*SPARSE, "dense mpi4jax") or not r.get("predicted"):
             continue
-        sent = r.get("bytes_sent_max") or (8 * r["N"] if r["algorithm"].startswith("dense") else 0)
+        dense_volume = 2 * (r["P"] - 1) / r["P"] * 4 * r["N"]  # reduce-scatter + allgather
+        sent = r.get("bytes_sent_max") or (dense_volume if r["algorithm"].startswith("dense") else 0)
         if sent < min_bytes:
             continue
-        lines.append(f"| {r['network']} | {r['P']} | 2^{int(math.log2(r['N']))} | {r['density']:.2%} | "
+        lines.append(f"| {r['network']} | {r['P']} | 2^{int(math.log2(r['N']))} | {r['support']} | {r['density']:.2%} | "
                      f"{r['algorithm']} | {r['transport']} | {sent / 1e6:.2f} | {r['median'] * 1e3:.2f} | "
                      f"{r['predicted'] * 1e3:.2f} | {r['median'] / r['predicted']:.2f} |")
     return "\n".join(lines)

@@ -41,7 +41,10 @@ class AllreduceStats(NamedTuple):
 
     Attributes:
       algorithm: int32 index into ``ALGORITHMS``.
-      bytes_sent: float32 payload bytes this rank sent (headers excluded).
+      bytes_sent: float32 bytes this rank sent: the native transport's payloads (headers
+        excluded), the mpi4jax transport's whole static messages (their 8-byte headers included).
+        For allgathers it is this rank's message times the P - 1 ranks that receive it, and for
+        the dense allreduce the reduce-scatter + allgather volume ``2 (P - 1) / P * 4 N``.
       result_nnz: int32 entries of the result (``size`` when dense).
       dense_round: int32 communication round after which this rank's data was dense, -1 if never.
     """
