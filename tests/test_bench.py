@@ -1,0 +1,28 @@
+"""The benchmark CLI runs end to end and writes well-formed rows (no timing assertions)."""
+
+import json
+import subprocess
+import sys
+
+from mpi_spawn import run_under_mpirun
+
+ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max",
+            "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network"}
+
+
+def test_quick_allreduce_sweep_and_report(tmp_path):
+    out = tmp_path / "quick.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "allreduce", "--quick", "--json", str(out)], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "vs dense" in result.stdout
+    rows = json.loads(out.read_text())
+    assert rows and all(ROW_KEYS <= set(r) for r in rows)
+    assert {r["algorithm"] for r in rows} >= {"dense mpi4jax", "mpi4py Allreduce (numpy)", "naive allgather+sum",
+                                              "ssar_recursive_doubling", "ssar_split_allgather",
+                                              "dsar_split_allgather", "auto"}
+    for r in rows:
+        assert r["P"] == 2 and r["min"] <= r["median"] <= r["max"] and r["ratio_to_dense"] > 0
+    report = subprocess.run([sys.executable, "-m", "sparcml_jax.bench", "report", str(out), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "| best SparCML |" in (tmp_path / "report.md").read_text()
