@@ -28,7 +28,7 @@ from sparcml_jax.comm.mpi4jax_transport import resize
 from sparcml_jax.comm.topology import grown_capacity
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.merge import merge
-from sparcml_jax.stream import SparseStream
+from sparcml_jax.stream import SparseStream, can_switch_to_dense
 
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
            "sparse_allreduce"]
@@ -168,14 +168,18 @@ def _predict(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz,
 
 
 def _static_choice(plan: Plan, s: SparseStream, cost_model: CostModel) -> str | None:
-    """The best algorithm priced at nnz = capacity, if it is sparse; fewer nonzeros only favour it more.
+    """The best algorithm priced at nnz = capacity, or None to choose at run time.
 
-    Otherwise (a capacity near the dense size says little about the actual count) returns None and
-    the choice is made at run time on the global nnz.
+    A capacity too small for the dense form was sized for the data (top-k streams fill it), so
+    its price is the price. A capacity that allows the dense form says little about the actual
+    count: a sparse winner at that bound stays the winner for fewer nonzeros, anything else is
+    decided at run time on the global nnz.
     """
     costs = {name: float(_predict(cost_model, plan, s, name, s.capacity, np)) for name in _candidates(plan)}
     best = min(costs, key=costs.get)
-    return best if best.startswith("ssar") else None
+    if not can_switch_to_dense(s.capacity, s.size, plan.delta) or best.startswith("ssar"):
+        return best
+    return None
 
 
 def _dynamic_choice(plan: Plan, s: SparseStream, cost_model: CostModel, key, max_nnz):

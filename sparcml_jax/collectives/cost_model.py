@@ -1,8 +1,10 @@
-"""The alpha-beta cost model behind ``algorithm="auto"`` (SparCML §5.3 and Appendix B).
+"""The cost model behind ``algorithm="auto"`` (SparCML §5.3 and Appendix B).
 
 A message of ``b`` bytes costs ``alpha + b * beta``. Result density follows the uniform union
 bound: ``m`` streams of ``k`` random nonzeros out of ``N`` cover ``N (1 - (1 - k/N)^m)`` indices.
-Pairs cost 8 bytes and dense values 4, so every stream is priced at ``min(8 nnz, 4 N)``.
+Pairs cost 8 bytes and dense values 4, so every stream is priced at ``min(8 nnz, 4 N)``. On top
+of the paper's wire terms the model prices what dominates on a node: the dense allreduce as
+measured, merges per pair, and passes over length-N buffers, all measured at calibration.
 """
 
 from __future__ import annotations
@@ -19,21 +21,41 @@ from sparcml_jax.comm.topology import lower_power_of_two
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Latency ``alpha`` (seconds per message) and inverse bandwidth ``beta`` (seconds per byte)."""
+    """Time of one allreduce, from quantities measured on the communicator.
+
+    Attributes:
+      alpha: seconds per message (latency), from a ping-pong between ranks 0 and 1.
+      beta: seconds per byte on the wire, from the same ping-pong.
+      dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small and a
+        large one): on a node it is bound by memory and by the ranks sharing cores, not by the
+        wire, and the SparCML algorithms must beat the real thing.
+      pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
+        on every rank at once (so ranks that share cores are measured sharing them).
+      element_cost: seconds per element of a pass over a length-N vector (densify, padding),
+        measured the same way.
+    """
 
     alpha: float
     beta: float
+    dense_alpha: float = 0.0
+    dense_beta: float = 0.0
+    pair_cost: float = 0.0
+    element_cost: float = 0.0
 
     @classmethod
     def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 1 << 20, large_reps: int = 5) -> "CostModel":
-        """Measures alpha and beta by a ping-pong between ranks 0 and 1; every rank gets rank 0's numbers."""
+        """Measures the model on ``comm``; every rank gets rank 0's numbers (identical choices)."""
         if comm.Get_size() < 2:
             return cls(alpha=0.0, beta=0.0)
         small, large = np.zeros(1, np.float64), np.zeros(large_bytes // 8, np.float64)
         t_small, t_large = _ping_pong(comm, small, small_reps), _ping_pong(comm, large, large_reps)
         alpha = max(t_small, 1e-7)
         beta = max((t_large - alpha) / large_bytes, 1e-12)
-        return cls(*comm.bcast((alpha, beta), root=0))
+        d_small, d_large = _allreduce_seconds(comm, 2), _allreduce_seconds(comm, large_bytes // 4)
+        dense_beta = max((d_large - d_small) / large_bytes, 1e-12)
+        pair_cost, element_cost = _compute_costs(comm)
+        numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost)
+        return cls(*comm.bcast(numbers, root=0))
 
     def message(self, nbytes, xp=np):
         return self.alpha + nbytes * self.beta
@@ -51,31 +73,86 @@ class CostModel:
         def union(m):
             return n * (1.0 - (1.0 - xp.minimum(k, n) / max(n, 1.0)) ** m)
 
+        def count(m):
+            return xp.minimum(k * m, n) if static else union(m)
+
         def stream_bytes(m):
-            count = xp.minimum(k * m, n) if static else union(m)
-            return xp.minimum(8.0 * count, dense_bytes)
+            return xp.minimum(8.0 * count(m), dense_bytes)
+
+        def merge(m):  # merging two streams of m-fold unions, or adding dense vectors
+            return xp.where(8.0 * count(m) >= dense_bytes, n * self.element_cost, 2 * count(m) * self.pair_cost)
+
+        dense_capable = 2.0 * (capacity if capacity is not None else n) >= n  # buffers of length N
+        n_passes = (n * self.element_cost) if dense_capable else 0.0
 
         log_p = math.log2(p)
         if algorithm == "dense":
-            return 2 * log_p * self.alpha + 2 * (p - 1) / p * dense_bytes * self.beta
+            return self.dense_alpha + 2 * (p - 1) / p * dense_bytes * self.dense_beta
         if algorithm == "ssar_recursive_doubling":
             lower = lower_power_of_two(p)
             folded = 2 if lower < p else 1
             cost = 0.0
             if lower < p:
-                cost = cost + self.message(stream_bytes(1), xp) + self.message(stream_bytes(p), xp)
+                cost = cost + self.message(stream_bytes(1), xp) + self.message(stream_bytes(p), xp) + merge(1)
             m = folded
             while m < folded * lower:
-                cost = cost + self.message(stream_bytes(m), xp)
+                cost = cost + self.message(stream_bytes(m), xp) + merge(m) + n_passes
                 m *= 2
             return cost
-        split_phase = (p - 1) * self.message(stream_bytes(1) / p, xp)
+        split_phase = (p - 1) * self.message(stream_bytes(1) / p, xp) + p * count(1) / p * self.pair_cost
         if algorithm == "ssar_split_allgather":
-            return split_phase + log_p * self.alpha + (p - 1) * stream_bytes(p) / p * self.beta
+            gather = log_p * self.alpha + (p - 1) * stream_bytes(p) / p * self.beta
+            return split_phase + gather + count(p) * self.pair_cost + n_passes
         if algorithm == "dsar_split_allgather":
             value_bytes = 4.0 if quantize_bits is None else quantize_bits / 8.0
-            return split_phase + log_p * self.alpha + (p - 1) * n / p * value_bytes * self.beta
+            gather = log_p * self.alpha + (p - 1) * n / p * value_bytes * self.dense_beta
+            return split_phase + gather + 3 * n * self.element_cost
         raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
+    """Median time of an MPI_Allreduce of ``count`` float32 (max over ranks)."""
+    buf, out = np.ones(count, np.float32), np.empty(count, np.float32)
+    times = []
+    for _ in range(reps + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Allreduce(buf, out, op=MPI.SUM)
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return float(np.median(times[1:]))
+
+
+def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
+    """Per-pair merge and per-element pass costs, timed on every rank at the same time."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparcml_jax.kernels.merge import merge
+    from sparcml_jax.stream import SparseStream
+
+    n, k = 1 << 20, 1 << 15
+    rng = np.random.default_rng(0)
+
+    def stream():
+        idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int32)
+        return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
+
+    a, b = stream(), stream()
+    merged = jax.jit(lambda a, b: merge(a, b).values)
+    vector = jnp.ones(n, jnp.float32)
+    one_pass = jax.jit(lambda v: v * 2.0)
+
+    def median(fn, *args, reps=7):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    comm.Barrier()
+    return median(merged, a, b) / (2 * k), median(one_pass, vector) / n
 
 
 def _ping_pong(comm: MPI.Comm, buf: np.ndarray, reps: int) -> float:
