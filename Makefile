@@ -34,8 +34,8 @@ demo: build
 bench: build
 	JAX_PLATFORMS=cpu $(PY) -m sparcml_jax.bench kernels
 	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(VENV)/bin/mpirun -n $$p $(PY) -m sparcml_jax.bench \
-	  allreduce --sweep full --reps 5 --json bench-results/full_P$$p.json || exit 1; done
-	$(PY) -m sparcml_jax.bench report bench-results/full_P2.json bench-results/full_P4.json --out bench-results
+	  allreduce --sweep full --reps 5 --json benchmarks/full_P$$p.json || exit 1; done
+	$(PY) -m sparcml_jax.bench report benchmarks/full_P2.json benchmarks/full_P4.json --out benchmarks
 
 test: build
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
