@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from mpi4py import MPI
 
 ARGUMENT_ERROR = "argument error"

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 import sparcml_jax
-from _util import COMM, NPROCS, RANK, agree_all, run_and_agree
+from _util import COMM, RANK, run_and_agree
 
 
 def _params():
