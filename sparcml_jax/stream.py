@@ -128,3 +128,16 @@ class SparseStream:
     def wire_bytes(self) -> jax.Array:
         """Bytes this stream costs on the wire: the valid pairs, or the dense values."""
         return jnp.where(self.is_dense, self.size * VALUE_BYTES, self.nnz * (INDEX_BYTES + VALUE_BYTES))
+
+
+def resize(s: SparseStream, capacity: int) -> SparseStream:
+    """Pads or truncates the buffers to ``capacity`` (the caller guarantees nnz fits)."""
+    extra = capacity - s.capacity
+    if extra >= 0:
+        return SparseStream(
+            jnp.concatenate([s.indices, jnp.full((extra,), s.size, INDEX_DTYPE)]),
+            jnp.concatenate([s.values, jnp.zeros((extra,), VALUE_DTYPE)]),
+            s.nnz,
+            s.size,
+        )
+    return SparseStream(s.indices[:capacity], s.values[:capacity], s.nnz, s.size)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "merge.h"
+#include "partition.h"
 #include "mpi_wire.h"
 
 namespace {
@@ -22,10 +23,7 @@ int64_t DenseThreshold(int64_t size, double delta) {
 struct Range {
   int64_t lo, hi;
 };
-Range PartOf(int64_t n, int parts, int r) {
-  int64_t width = n / parts;
-  return {r * width, r == parts - 1 ? n : (r + 1) * width};
-}
+Range PartOf(int64_t n, int parts, int r) { return {sparcml_part_start(n, parts, r), sparcml_part_start(n, parts, r + 1)}; }
 
 // Writes a received segment into a stream buffer of capacity `cap` over a length-`length` range.
 void StoreSegment(const Segment& s, int64_t length, int32_t* idx, float* val, int64_t cap, int32_t* nnz,
@@ -186,17 +184,9 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   std::vector<Segment> segments(parts);
   int64_t total = 0;
   for (int r = 0; r < parts; ++r) {
-    Header h;
-    std::memcpy(&h, all.data() + displs[r], sizeof h);
-    if (h.status != sparcml::kOk && status == sparcml::kOk) {
-      status = sparcml::kPeerFailed;
-      sparcml::LastError() = "a peer rank failed earlier in this collective";
-    }
-    segments[r].header = h;
-    const char* p = all.data() + displs[r] + sizeof(Header);
-    segments[r].val = reinterpret_cast<const float*>(h.dense ? p : p + h.count * sizeof(int32_t));
-    segments[r].idx = h.dense ? nullptr : reinterpret_cast<const int32_t*>(p);
-    total += h.count;
+    segments[r] = sparcml::UnpackSegment(all.data() + displs[r], static_cast<size_t>(displs[r + 1] - displs[r]));
+    status = Incoming(status, segments[r]);
+    total += segments[r].header.count;
   }
   int32_t* out_idx = oidx->typed_data();
   float* out_val = oval->typed_data();

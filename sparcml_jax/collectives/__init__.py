@@ -24,11 +24,10 @@ from sparcml_jax.collectives.dsar_split_allgather import dsar_split_allgather
 from sparcml_jax.collectives.ssar_recursive_doubling import ssar_recursive_doubling
 from sparcml_jax.collectives.ssar_split_allgather import ssar_split_allgather
 from sparcml_jax.comm import get_transport, native, resolve_comm
-from sparcml_jax.comm.mpi4jax_transport import resize
 from sparcml_jax.comm.topology import grown_capacity
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.merge import merge
-from sparcml_jax.stream import SparseStream, can_switch_to_dense
+from sparcml_jax.stream import SparseStream, can_switch_to_dense, resize
 
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
            "sparse_allreduce"]

@@ -8,10 +8,9 @@ supports) and ``k (P - 1)`` pairs (disjoint supports). A non-power of two P firs
 from __future__ import annotations
 
 from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.comm.mpi4jax_transport import resize
 from sparcml_jax.comm.topology import grown_capacity, lower_power_of_two
 from sparcml_jax.kernels.merge import merge
-from sparcml_jax.stream import SparseStream
+from sparcml_jax.stream import SparseStream, resize
 
 
 def ssar_recursive_doubling(s: SparseStream, plan: Plan) -> tuple[SparseStream, Progress]:

@@ -14,24 +14,12 @@ import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.comm.topology import part_bounds, part_length
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold
+from sparcml_jax.kernels.partition import partition_bounds
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold, resize
 
 NAME = "mpi4jax"
 _TAG_BASE = 0x5CB0
 _HEADER = 2
-
-
-def resize(s: SparseStream, capacity: int) -> SparseStream:
-    """Pads or truncates the buffers to ``capacity`` (the caller guarantees nnz fits)."""
-    extra = capacity - s.capacity
-    if extra >= 0:
-        return SparseStream(
-            jnp.concatenate([s.indices, jnp.full((extra,), s.size, INDEX_DTYPE)]),
-            jnp.concatenate([s.values, jnp.zeros((extra,), VALUE_DTYPE)]),
-            s.nnz,
-            s.size,
-        )
-    return SparseStream(s.indices[:capacity], s.values[:capacity], s.nnz, s.size)
 
 
 def _pack(idx: jax.Array, val: jax.Array, nnz, status) -> jax.Array:
@@ -109,7 +97,7 @@ def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> tuple[SparseStream
 
 def _segments(s: SparseStream, parts: int, slot: int) -> jax.Array:
     """[parts, header + 2*slot]: the pairs of each part's range, re-based to the range start."""
-    bounds = np.array([part_bounds(s.size, parts, r)[0] for r in range(parts)] + [s.size], np.int32)
+    bounds = partition_bounds(s.size, parts).astype(np.int32)
     offsets = jnp.searchsorted(s.indices, jnp.asarray(bounds), side="left").astype(INDEX_DTYPE)
     offsets = jnp.minimum(offsets, s.nnz)
     padded = resize(s, s.capacity + slot)

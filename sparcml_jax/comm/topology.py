@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import can_switch_to_dense
 
 
 def part_bounds(size: int, parts: int, r: int) -> tuple[int, int]:
-    """Index range of part r: equal widths ``size // parts``, the last part takes the remainder."""
-    width = size // parts
-    return r * width, size if r == parts - 1 else (r + 1) * width
+    """Index range of part r (see :func:`sparcml_jax.kernels.partition.partition_bounds`)."""
+    bounds = partition_bounds(size, parts)
+    return int(bounds[r]), int(bounds[r + 1])
 
 
 def part_length(size: int, parts: int, r: int) -> int:
