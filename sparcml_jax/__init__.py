@@ -13,6 +13,7 @@ from sparcml_jax.collectives import (
     sparse_allgather,
     sparse_allreduce,
 )
+from sparcml_jax.collectives.nonblocking import AllreduceHandle, sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.kernels.merge import merge, merge_capacity, merge_reference
 from sparcml_jax.kernels.partition import (
     from_dense,
@@ -45,6 +46,7 @@ from sparcml_jax import sparsifiers
 
 __all__ = [
     "ALGORITHMS",
+    "AllreduceHandle",
     "AllreduceGradientsState",
     "AllreduceStats",
     "CostModel",
@@ -73,6 +75,8 @@ __all__ = [
     "scatter_add_reference",
     "sparse_allgather",
     "sparse_allreduce",
+    "sparse_allreduce_start",
+    "sparse_allreduce_wait",
     "sparsifiers",
     "split",
     "split_reference",

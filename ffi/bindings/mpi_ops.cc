@@ -261,27 +261,6 @@ ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
 // (size, capacity, algorithm, ...), validate their streams and agree on counts before anything
 // is sent, so a mismatch or a bad input on one rank makes every rank raise instead of leaving
 // peers blocked. A rank that rejected its arguments in Python joins with its error flag set.
-std::vector<std::string> SplitNames(std::string_view names) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= names.size()) {
-    size_t comma = names.find(',', start);
-    if (comma == std::string_view::npos) comma = names.size();
-    out.emplace_back(names.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return out;
-}
-
-std::string Render(const std::string& name, int64_t value) {
-  if (name == "delta" || name == "alpha" || name == "beta") {
-    double d;
-    std::memcpy(&d, &value, sizeof d);
-    return std::to_string(d);
-  }
-  return std::to_string(value);
-}
-
 ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, ffi::Token,
                        ffi::ResultBuffer<ffi::S32> summary, ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n,
                        ffi::Span<const int64_t> signature, std::string_view field_names) {
@@ -292,7 +271,7 @@ ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, f
   int fields = static_cast<int>(signature.size());
   std::vector<int64_t> mine(signature.begin(), signature.end()), all(static_cast<size_t>(fields) * parts);
   MPI_Allgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm);
-  std::vector<std::string> names = SplitNames(field_names);
+  std::vector<std::string> names = sparcml::SplitFieldNames(field_names);
   for (int f = 0; f < fields; ++f) {
     bool same = true;
     for (int r = 1; r < parts; ++r) same = same && all[r * fields + f] == all[f];
@@ -300,7 +279,7 @@ ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, f
     std::string name = f < static_cast<int>(names.size()) ? names[f] : std::to_string(f);
     std::string listing;
     for (int r = 0; r < parts && r < 8; ++r)
-      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + Render(name, all[r * fields + f]);
+      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + sparcml::RenderField(name, all[r * fields + f]);
     if (name == "argument error") {
       return ffi::Error::InvalidArgument("rank " + std::to_string(rank) +
                                          ": another rank rejected its arguments (see its error); " + listing);

@@ -1,5 +1,7 @@
 #include "mpi_wire.h"
 
+#include <algorithm>
+
 namespace sparcml {
 
 std::string& LastError() {
@@ -62,6 +64,25 @@ Segment UnpackSegment(const char* data, size_t size) {
     s.val = reinterpret_cast<const float*>(p + s.header.count * sizeof(int32_t));
   }
   return s;
+}
+
+std::vector<std::string> SplitFieldNames(std::string_view names) {
+  std::vector<std::string> out;
+  for (size_t start = 0; start <= names.size();) {
+    size_t comma = std::min(names.find(',', start), names.size());
+    out.emplace_back(names.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string RenderField(const std::string& name, int64_t value) {
+  if (name == "delta" || name == "alpha" || name == "beta") {
+    double d;
+    std::memcpy(&d, &value, sizeof d);
+    return std::to_string(d);
+  }
+  return std::to_string(value);
 }
 
 Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {

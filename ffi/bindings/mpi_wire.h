@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -67,6 +68,11 @@ struct Segment {
 };
 Segment UnpackSegment(const char* data, size_t size);
 inline Segment UnpackSegment(const Bytes& buffer) { return UnpackSegment(buffer.data(), buffer.size()); }
+
+// Signatures that ranks compare travel as int64 fields named by a comma-separated list;
+// delta, alpha and beta are doubles stored bit for bit.
+std::vector<std::string> SplitFieldNames(std::string_view names);
+std::string RenderField(const std::string& name, int64_t value);
 
 // Receives one message of unknown size from `source` (MPI_PROC_NULL yields an empty segment).
 Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source);
