@@ -520,7 +520,9 @@ ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error WaitImpl(ffi::BufferR0<ffi::S32> job_id, ffi::Token, ffi::ResultBuffer<ffi::S32> ridx,
+// `after` holds the outputs of the computation to overlap (and the token): operands only so that
+// XLA must finish that computation before this op runs.
+ffi::Error WaitImpl(ffi::BufferR0<ffi::S32> job_id, ffi::RemainingArgs after, ffi::ResultBuffer<ffi::S32> ridx,
                     ffi::ResultBuffer<ffi::F32> rval, ffi::ResultBufferR0<ffi::S32> rnnz,
                     ffi::ResultBufferR0<ffi::S32> algorithm, ffi::ResultBufferR0<ffi::F32> bytes_sent,
                     ffi::ResultBufferR0<ffi::S32> dense_round, ffi::Result<ffi::Token>) {
@@ -577,7 +579,7 @@ SPARCML_EXPORT XLA_FFI_Error* SparcmlEngineWait(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlEngineWait, WaitImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
-                                  .Arg<ffi::Token>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::BufferR0<ffi::S32>>()

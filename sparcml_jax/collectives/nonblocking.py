@@ -106,8 +106,13 @@ def sparse_allreduce_start(
     return AllreduceHandle(job, stream.size, capacity)
 
 
-def sparse_allreduce_wait(handle: AllreduceHandle, *, return_stats: bool = False):
+def sparse_allreduce_wait(handle: AllreduceHandle, *, after=None, return_stats: bool = False):
     """Blocks until the reduction of ``handle`` is done and returns its result (and stats).
+
+    XLA orders ops by their data dependencies only, and on CPU it happily places an independent
+    computation after the wait, where it hides nothing (``optimization_barrier`` does not help:
+    XLA:CPU removes it before scheduling). Pass that computation's outputs (any pytree of arrays)
+    as ``after``: they become operands of the wait, so XLA computes them first.
 
     An error of the reduction on any rank (a mismatch between ranks, an invalid stream) raises
     here, on every rank. Outside ``jit`` the error also resets JAX's ordered-effect token, as
@@ -116,7 +121,8 @@ def sparse_allreduce_wait(handle: AllreduceHandle, *, return_stats: bool = False
     """
     traced = isinstance(handle.job, jax.core.Tracer)
     try:
-        result, algorithm, sent, dense_round = engine.wait(handle.job, size=handle.size, capacity=handle.capacity)
+        result, algorithm, sent, dense_round = engine.wait(handle.job, size=handle.size, capacity=handle.capacity,
+                                                           after=() if after is None else after)
         if not traced:
             jax.block_until_ready(result)
     except Exception:

@@ -28,7 +28,7 @@ _start_p = ordered_ffi_primitive(
 )
 _wait_p = ordered_ffi_primitive(
     "sparcml_engine_wait", "sparcml_engine_wait", "SparcmlEngineWait",
-    lambda job, *, capacity: [
+    lambda job, *after, capacity: [
         _ShapedArray((int(capacity),), INDEX_DTYPE), _ShapedArray((int(capacity),), VALUE_DTYPE),
         _ShapedArray((), INDEX_DTYPE), _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE),
         _ShapedArray((), INDEX_DTYPE),
@@ -53,9 +53,12 @@ def start(s: SparseStream, *, comm: MPI.Comm, delta: float, signature: dict[str,
     return job
 
 
-def wait(job: jax.Array, *, size: int, capacity: int):
-    """Blocks until job ``job`` is done; returns (result stream, algorithm, bytes sent, dense round)."""
-    idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, capacity=i64(capacity))
+def wait(job: jax.Array, *, size: int, capacity: int, after=()):
+    """Blocks until job ``job`` is done; returns (result stream, algorithm, bytes sent, dense round).
+
+    The arrays of ``after`` become operands (unread), so XLA computes them before the wait.
+    """
+    idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, *jax.tree.leaves(after), capacity=i64(capacity))
     return SparseStream(idx, val, nnz, size), algorithm, sent, dense_round
 
 
