@@ -18,8 +18,10 @@ OVERSUBSCRIBED_ENV = {
 }
 
 
-def run_under_mpirun(nprocs: int, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", SPARCML_IN_MPIRUN="1", PYTHONUNBUFFERED="1", **OVERSUBSCRIBED_ENV)
+def run_under_mpirun(nprocs: int, args: list[str], timeout: float,
+                     env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", SPARCML_IN_MPIRUN="1", PYTHONUNBUFFERED="1", **OVERSUBSCRIBED_ENV,
+               **(env or {}))
     cmd = [str(MPIRUN), "-n", str(nprocs), sys.executable, *args]
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent)

@@ -91,3 +91,34 @@ def test_divergence_before_agreement_raises_on_every_rank(scenario):
     lines = re.findall(r"RANK \d+ OUTCOMES \[.*?\]", result.stdout)
     assert result.returncode == 0 and len(lines) == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert lines[0].count("raised: ") == 2, f"every rank must raise a clear error: {lines[0]}"
+
+
+# ----------------------------------------------------------------------------- exit with a reduction in flight
+
+_IN_FLIGHT = _PRELUDE + """
+import os
+sj.sparse_allreduce_wait(sj.sparse_allreduce_start(s, algorithm="ssar_split_allgather"))
+if rank == 0 or os.environ["EVERY_RANK_STARTS"] == "1":
+    handle = sj.sparse_allreduce_start(s, algorithm="ssar_split_allgather")
+print(f"RANK {rank} EXITS", flush=True)
+"""
+
+
+def test_exit_with_reductions_in_flight_completes_them():
+    """Every rank started a reduction and nobody waited: the engines finish it, the exit is clean."""
+    from mpi_spawn import run_under_mpirun
+
+    result = run_under_mpirun(2, ["-c", _IN_FLIGHT], timeout=30, env={"EVERY_RANK_STARTS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.count("EXITS") == 2
+
+
+def test_exit_with_a_reduction_no_peer_started_aborts_instead_of_hanging():
+    """An erroneous program: rank 0 starts a reduction that rank 1 never starts. Exit on rank 0
+    waits SPARCML_JAX_EXIT_TIMEOUT seconds for it, then aborts the job with a message."""
+    from mpi_spawn import run_under_mpirun
+
+    result = run_under_mpirun(2, ["-c", _IN_FLIGHT], timeout=30,
+                              env={"EVERY_RANK_STARTS": "0", "SPARCML_JAX_EXIT_TIMEOUT": "2"})
+    assert result.returncode != 0
+    assert "still in flight at exit" in result.stderr, result.stderr[-2000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import os
 import sys
 
 import jax
@@ -20,7 +21,8 @@ from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 _ShapedArray = jax.core.ShapedArray
-EXIT_TIMEOUT_SECONDS = 30.0
+# How long exit waits for reductions in flight (their peers must run them too).
+EXIT_TIMEOUT_ENV = "SPARCML_JAX_EXIT_TIMEOUT"
 
 _start_p = ordered_ffi_primitive(
     "sparcml_engine_start", "sparcml_engine_start", "SparcmlEngineStart",
@@ -77,8 +79,9 @@ def _shutdown() -> None:
     lib = _lib.mpi_library()
     lib.SparcmlEngineShutdown.restype = int
     lib.SparcmlEngineShutdown.argtypes = [ctypes.c_double]
-    if not lib.SparcmlEngineShutdown(EXIT_TIMEOUT_SECONDS):
+    timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
+    if not lib.SparcmlEngineShutdown(timeout):
         print(f"sparcml_jax: a non-blocking allreduce was still in flight at exit and its peers did not complete "
-              f"it within {EXIT_TIMEOUT_SECONDS:.0f} s; aborting the MPI job", file=sys.stderr, flush=True)
+              f"it within {timeout:g} s ({EXIT_TIMEOUT_ENV}); aborting the MPI job", file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(1)
 
