@@ -21,10 +21,11 @@ import optax
 from mpi4py import MPI
 
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
+from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.comm import get_transport, resolve_comm
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
-from sparcml_jax.stream import VALUE_DTYPE
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, resize
 
 WARMUP_ALGORITHM = -1  # stats.algorithm while sending dense during warm-up
 
@@ -74,6 +75,7 @@ def allreduce_gradients(
     quantize_scale: str = "max",
     cost_model: CostModel | None = None,
     capacity: int | None = None,
+    buckets: int | None = None,
 ) -> optax.GradientTransformation:
     """Sums (or averages) gradients across the ranks of ``comm`` with sparse, quantized messages.
 
@@ -102,6 +104,14 @@ def allreduce_gradients(
     listed in its ``static_args``. ``warmup_steps`` may be injected (and scheduled).
       capacity: exact mode only: a bound on the nonzeros of a rank's gradient buffer. Smaller
         buffers make every pass cheaper; a step in which any rank exceeds it is sent dense.
+      buckets: overlap communication with computation, as DDP's gradient buckets do: the large
+        leaves, in reverse order (the order in which backpropagation produces a sequential
+        model's gradients), are split into this many buckets of about equal size, and each
+        bucket's reduction is started on the non-blocking engine as soon as its stream exists
+        (:func:`sparcml_jax.sparse_allreduce_start`); the update waits for a bucket only where
+        it needs that bucket's result, so the sparsification of later buckets, and whatever
+        else XLA schedules there, runs while earlier buckets are reduced. Native transport,
+        no QSGD and no ``capacity``.
 
     Example (also runs as a single process, where it is the identity):
       >>> import jax, jax.numpy as jnp, optax
@@ -140,6 +150,14 @@ def allreduce_gradients(
         raise ValueError(f"capacity bounds the exact mode (density=None, k=None); got capacity={capacity!r}")
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
+    buckets = _static(buckets, "buckets")
+    if buckets is not None:
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ValueError(f"buckets must be a positive int or None, got {buckets!r}")
+        if transport != "native" or quantize_bits is not None or capacity is not None:
+            raise ValueError("buckets run on the non-blocking engine: it needs transport='native' and supports "
+                             f"neither quantize_bits nor capacity (got transport={transport!r}, "
+                             f"quantize_bits={quantize_bits!r}, capacity={capacity!r})")
     select = resolve(sparsifier)
     exact = density is None and k is None
     # Exact mode sends every nonzero: there is never anything to feed back.
@@ -184,7 +202,10 @@ def allreduce_gradients(
         ]
         small = [i for i, a in enumerate(accumulated) if a.size < min_size]
         large = [i for i, a in enumerate(accumulated) if a.size >= min_size]
-        groups = [large] if fuse and large else [[i] for i in large]
+        if buckets is not None:
+            groups = _buckets(large[::-1], [accumulated[i].size for i in large[::-1]], buckets)
+        else:
+            groups = [large] if fuse and large else [[i] for i in large]
         total_large = sum(accumulated[i].size for i in large)
 
         key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
@@ -199,50 +220,72 @@ def allreduce_gradients(
 
         nnz_total, bytes_total = jnp.float32(0), jnp.float32(0)
         algorithm_code = jnp.int32(WARMUP_ALGORITHM)
-        for g, group in enumerate(groups):
-            flat = jnp.concatenate([accumulated[i].ravel() for i in group])
-            n = flat.shape[0]
-            budget = n if exact else _budget(n, total_large, density, k, fuse)
-            group_key = jax.random.fold_in(step_key, g)
+        dynamic_warmup = isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0
+        if buckets is not None:
+            flats = [jnp.concatenate([accumulated[i].ravel() for i in group]) for group in groups]
+            streams, rests = [], []
+            for g, flat in enumerate(flats):
+                budget = flat.shape[0] if exact else _budget(flat.shape[0], total_large, density, k, fuse=False)
+                stream = from_dense(flat, capacity=budget) if exact else select(
+                    flat, budget, jax.random.fold_in(step_key, g))
+                rest = flat - stream.to_dense() if error_feedback else None
+                if dynamic_warmup:
+                    stream, rest = _dense_while(state.step < warmup_steps, flat, stream, rest)
+                streams.append(stream)
+                rests.append(rest)
+            results = _reduce_in_buckets(streams, the_comm, collective)
+            for group, (reduced, stats), rest in zip(groups, results, rests):
+                _scatter_back(reduced.to_dense() * scale, group, accumulated, out)
+                if error_feedback:
+                    _scatter_back(rest, group, accumulated, new_residual)
+                nnz_total, bytes_total = nnz_total + stats.result_nnz.astype(jnp.float32), bytes_total + stats.bytes_sent
+                if len(group) == max(len(gr) for gr in groups):
+                    algorithm_code = jnp.where(state.step < warmup_steps, WARMUP_ALGORITHM, stats.algorithm) \
+                        if dynamic_warmup else stats.algorithm
+        else:
+            for g, group in enumerate(groups):
+                flat = jnp.concatenate([accumulated[i].ravel() for i in group])
+                n = flat.shape[0]
+                budget = n if exact else _budget(n, total_large, density, k, fuse)
+                group_key = jax.random.fold_in(step_key, g)
 
-            def sparse_path(flat):
-                if counted is not None:
-                    stream = counted
-                elif exact:
-                    stream = from_dense(flat, capacity=budget)
+                def sparse_path(flat):
+                    if counted is not None:
+                        stream = counted
+                    elif exact:
+                        stream = from_dense(flat, capacity=budget)
+                    else:
+                        stream = select(flat, budget, group_key)
+                    rest = flat - stream.to_dense() if error_feedback else jnp.float32(0)
+                    reduced, stats = sparse_allreduce(stream, comm=the_comm, key=group_key, return_stats=True, **collective)
+                    if average:  # scaling the nnz values is cheaper than a pass over the dense result
+                        reduced = dataclasses.replace(reduced, values=reduced.values / nprocs)
+                    return reduced.to_dense(), rest, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, \
+                        stats.algorithm
+
+                def dense_path(flat):
+                    summed = dense_allreduce(flat, comm=the_comm) * scale
+                    sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
+                    rest = jnp.zeros_like(flat) if error_feedback else jnp.float32(0)
+                    return summed, rest, jnp.float32(n), sent, jnp.int32(WARMUP_ALGORITHM)
+
+                send_dense = state.step < warmup_steps if dynamic_warmup else None
+                counted = None
+                if exact and capacity is not None and capacity < n:
+                    budget = capacity
+                    counted, count = from_dense_counted(flat, capacity)
+                    too_many = _max_over_ranks(count, the_comm) > capacity
+                    send_dense = too_many if send_dense is None else send_dense | too_many
+                if send_dense is None:
+                    summed, rest, nnz, sent, code = sparse_path(flat)
                 else:
-                    stream = select(flat, budget, group_key)
-                rest = flat - stream.to_dense() if error_feedback else jnp.float32(0)
-                reduced, stats = sparse_allreduce(stream, comm=the_comm, key=group_key, return_stats=True, **collective)
-                if average:  # scaling the nnz values is cheaper than a pass over the dense result
-                    reduced = dataclasses.replace(reduced, values=reduced.values / nprocs)
-                return reduced.to_dense(), rest, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, \
-                    stats.algorithm
-
-            def dense_path(flat):
-                summed = dense_allreduce(flat, comm=the_comm) * scale
-                sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
-                rest = jnp.zeros_like(flat) if error_feedback else jnp.float32(0)
-                return summed, rest, jnp.float32(n), sent, jnp.int32(WARMUP_ALGORITHM)
-
-            dynamic_warmup = isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0
-            send_dense = state.step < warmup_steps if dynamic_warmup else None
-            counted = None
-            if exact and capacity is not None and capacity < n:
-                budget = capacity
-                counted, count = from_dense_counted(flat, capacity)
-                too_many = _max_over_ranks(count, the_comm) > capacity
-                send_dense = too_many if send_dense is None else send_dense | too_many
-            if send_dense is None:
-                summed, rest, nnz, sent, code = sparse_path(flat)
-            else:
-                summed, rest, nnz, sent, code = jax.lax.cond(send_dense, dense_path, sparse_path, flat)
-            _scatter_back(summed, group, accumulated, out)
-            if error_feedback:
-                _scatter_back(rest, group, accumulated, new_residual)
-            nnz_total, bytes_total = nnz_total + nnz, bytes_total + sent
-            if len(group) == max(len(gr) for gr in groups):
-                algorithm_code = code
+                    summed, rest, nnz, sent, code = jax.lax.cond(send_dense, dense_path, sparse_path, flat)
+                _scatter_back(summed, group, accumulated, out)
+                if error_feedback:
+                    _scatter_back(rest, group, accumulated, new_residual)
+                nnz_total, bytes_total = nnz_total + nnz, bytes_total + sent
+                if len(group) == max(len(gr) for gr in groups):
+                    algorithm_code = code
 
         new_updates = [o.astype(d) for o, d in zip(out, dtypes)]
         stats = GradientStats(nnz_total / max(total_large, 1), bytes_total, algorithm_code)
@@ -283,6 +326,33 @@ def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, average: bool = T
         return jax.tree.unflatten(treedef, [o.astype(jnp.result_type(leaf)) for o, leaf in zip(out, leaves)]), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _buckets(order: list[int], sizes: list[int], count: int) -> list[list[int]]:
+    """Consecutive runs of ``order`` with about ``sum(sizes) / count`` entries each."""
+    total, out, filled = sum(sizes), [[]], 0
+    for i, size in zip(order, sizes):
+        if out[-1] and filled >= total * len(out) / count:
+            out.append([])
+        out[-1].append(i)
+        filled += size
+    return [b for b in out if b]
+
+
+def _dense_while(warming_up: jax.Array, flat: jax.Array, stream: SparseStream, rest):
+    """During warm-up the bucket travels whole (the dense stream); nothing is left to feed back."""
+    n = flat.shape[0]
+    dense = SparseStream(jnp.arange(n, dtype=INDEX_DTYPE), flat, jnp.int32(n), n)
+    stream = jax.lax.cond(warming_up, lambda: dense, lambda: resize(stream, n))
+    return stream, None if rest is None else jnp.where(warming_up, 0.0, rest)
+
+
+def _reduce_in_buckets(streams: list[SparseStream], comm: MPI.Comm, collective: dict) -> list:
+    """Starts every bucket's reduction in order, then waits for each: the engine reduces bucket b
+    while the program goes on to sparsify bucket b + 1 (each start needs its own stream first)."""
+    options = dict(algorithm=collective["algorithm"], delta=collective["delta"], cost_model=collective["cost_model"])
+    handles = [sparse_allreduce_start(s, comm=comm, **options) for s in streams]
+    return [sparse_allreduce_wait(h, return_stats=True) for h in handles]
 
 
 def _max_over_ranks(x: jax.Array, comm: MPI.Comm) -> jax.Array:

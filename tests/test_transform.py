@@ -21,10 +21,10 @@ def random_grads(rng, tree):
 
 
 @pytest.mark.parametrize("sparsifier", ["topk", "randomk", sparsifiers.threshold(0.5)])
-@pytest.mark.parametrize("fuse", [True, False])
-def test_error_feedback_loses_nothing(sparsifier, fuse):
+@pytest.mark.parametrize("fuse,buckets", [(True, None), (False, None), (True, 2)])
+def test_error_feedback_loses_nothing(sparsifier, fuse, buckets):
     params = params_tree()
-    tx = allreduce_gradients(density=0.05, sparsifier=sparsifier, fuse=fuse, min_size=16)
+    tx = allreduce_gradients(density=0.05, sparsifier=sparsifier, fuse=fuse, min_size=16, buckets=buckets)
     state = tx.init(params)
     update = jax.jit(tx.update)
     rng = np.random.default_rng(0)
@@ -42,6 +42,14 @@ def test_error_feedback_loses_nothing(sparsifier, fuse):
     assert 0 < float(state.stats.density) <= 0.06
 
 
+def test_buckets_split_the_leaves_in_reverse_order():
+    from sparcml_jax.transform import _buckets
+
+    assert _buckets([3, 2, 1, 0], [10, 10, 10, 10], 2) == [[3, 2], [1, 0]]
+    assert _buckets([2, 1, 0], [100, 1, 1], 2) == [[2], [1, 0]]
+    assert _buckets([0], [5], 4) == [[0]]
+
+
 def test_sends_the_budget_per_step():
     params = {"w": jnp.zeros(10_000)}
     tx = allreduce_gradients(k=123)
@@ -50,9 +58,10 @@ def test_sends_the_budget_per_step():
     np.testing.assert_array_equal(np.asarray(sent["w"][-123:]), np.arange(10_000 - 123, 10_000) + 1.0)
 
 
-def test_exact_mode_on_one_rank_is_the_identity():
+@pytest.mark.parametrize("buckets", [None, 3])
+def test_exact_mode_on_one_rank_is_the_identity(buckets):
     params = params_tree()
-    tx = allreduce_gradients()
+    tx = allreduce_gradients(buckets=buckets, min_size=16)
     grads = random_grads(np.random.default_rng(1), params)
     grads["dense"]["w"] = grads["dense"]["w"].at[3:].set(0.0)  # naturally sparse
     out, state = jax.jit(tx.update)(grads, tx.init(params))
@@ -122,9 +131,10 @@ def test_runs_in_one_jitted_step_with_donated_buffers():
     assert int(s[0].step) == 2
 
 
-def test_warmup_sends_dense():
+@pytest.mark.parametrize("buckets", [None, 1])
+def test_warmup_sends_dense(buckets):
     params = {"w": jnp.zeros(4096)}
-    tx = allreduce_gradients(density=0.01, warmup_steps=2)
+    tx = allreduce_gradients(density=0.01, warmup_steps=2, buckets=buckets)
     state = tx.init(params)
     update = jax.jit(tx.update)
     g = {"w": jnp.arange(1.0, 4097.0)}
@@ -140,7 +150,8 @@ def test_warmup_sends_dense():
     (dict(k=0), "k must"), (dict(quantize_bits=3), "quantize_bits"), (dict(sparsifier="nope"), "sparsifier"),
     (dict(sparsifier="threshold"), "threshold"), (dict(algorithm="ring"), "algorithm"),
     (dict(transport="tcp"), "transport"), (dict(quantize_bits=4, algorithm="dense"), "quantize_bits"),
-    (dict(density=0.1, capacity=5), "capacity"),
+    (dict(density=0.1, capacity=5), "capacity"), (dict(buckets=0), "buckets"),
+    (dict(buckets=2, quantize_bits=4), "buckets"), (dict(buckets=2, transport="mpi4jax"), "buckets"),
 ])
 def test_bad_configuration_is_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import sparcml_jax
 from _util import COMM, RANK, run_and_agree
@@ -32,7 +33,8 @@ def test_identical_parameters_after_every_step():
         for reducer in (sparcml_jax.allreduce_gradients(density=0.02, min_size=100),
                         sparcml_jax.allreduce_gradients(k=50, quantize_bits=4, algorithm="dsar_split_allgather"),
                         sparcml_jax.allreduce_gradients(density=0.05, sparsifier="randomk", fuse=False,
-                                                        transport="mpi4jax", warmup_steps=1)):
+                                                        transport="mpi4jax", warmup_steps=1),
+                        sparcml_jax.allreduce_gradients(density=0.05, buckets=2, warmup_steps=1, min_size=100)):
             tx = optax.chain(reducer, optax.adam(1e-2))
             params, state = _params(), tx.init(_params())
 
@@ -49,9 +51,10 @@ def test_identical_parameters_after_every_step():
     run_and_agree(check, "identical parameters")
 
 
-def test_exact_mode_equals_dense_sum():
+@pytest.mark.parametrize("options", [dict(capacity=2000), dict(buckets=2)])
+def test_exact_mode_equals_dense_sum(options):
     def check():
-        tx = sparcml_jax.allreduce_gradients(average=False, capacity=2000)
+        tx = sparcml_jax.allreduce_gradients(average=False, **options)
         state = tx.init(_params())
         grads = jax.tree.map(lambda g: jnp.where(jnp.abs(g) > 2, g, 0.0), _grads(11))  # sparse, integers
         out, state = jax.jit(tx.update)(grads, state)
@@ -62,11 +65,12 @@ def test_exact_mode_equals_dense_sum():
     run_and_agree(check, "exact mode")
 
 
-def test_update_is_the_sum_of_what_ranks_took_from_their_residuals():
+@pytest.mark.parametrize("buckets", [None, 3])
+def test_update_is_the_sum_of_what_ranks_took_from_their_residuals(buckets):
     """sum over ranks of (gradient + old residual - new residual) == the update, every step."""
 
     def check():
-        tx = sparcml_jax.allreduce_gradients(density=0.03, average=False)
+        tx = sparcml_jax.allreduce_gradients(density=0.03, average=False, buckets=buckets, min_size=100)
         state = tx.init(_params())
         update = jax.jit(lambda g, s: tx.update(g, s))
         failures = []
