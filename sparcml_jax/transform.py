@@ -111,7 +111,7 @@ def allreduce_gradients(
         (:func:`sparcml_jax.sparse_allreduce_start`); the update waits for a bucket only where
         it needs that bucket's result, so the sparsification of later buckets, and whatever
         else XLA schedules there, runs while earlier buckets are reduced. Native transport,
-        no QSGD and no ``capacity``.
+        no ``capacity``.
 
     Example (also runs as a single process, where it is the identity):
       >>> import jax, jax.numpy as jnp, optax
@@ -154,10 +154,9 @@ def allreduce_gradients(
     if buckets is not None:
         if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
             raise ValueError(f"buckets must be a positive int or None, got {buckets!r}")
-        if transport != "native" or quantize_bits is not None or capacity is not None:
-            raise ValueError("buckets run on the non-blocking engine: it needs transport='native' and supports "
-                             f"neither quantize_bits nor capacity (got transport={transport!r}, "
-                             f"quantize_bits={quantize_bits!r}, capacity={capacity!r})")
+        if transport != "native" or capacity is not None:
+            raise ValueError("buckets run on the non-blocking engine: it needs transport='native' and does not "
+                             f"support capacity (got transport={transport!r}, capacity={capacity!r})")
     select = resolve(sparsifier)
     exact = density is None and k is None
     # Exact mode sends every nonzero: there is never anything to feed back.
@@ -223,17 +222,17 @@ def allreduce_gradients(
         dynamic_warmup = isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0
         if buckets is not None:
             flats = [jnp.concatenate([accumulated[i].ravel() for i in group]) for group in groups]
-            streams, rests = [], []
+            streams, rests, keys = [], [], []
             for g, flat in enumerate(flats):
                 budget = flat.shape[0] if exact else _budget(flat.shape[0], total_large, density, k, fuse=False)
-                stream = from_dense(flat, capacity=budget) if exact else select(
-                    flat, budget, jax.random.fold_in(step_key, g))
+                keys.append(jax.random.fold_in(step_key, g))
+                stream = from_dense(flat, capacity=budget) if exact else select(flat, budget, keys[-1])
                 rest = flat - stream.to_dense() if error_feedback else None
                 if dynamic_warmup:
                     stream, rest = _dense_while(state.step < warmup_steps, flat, stream, rest)
                 streams.append(stream)
                 rests.append(rest)
-            results = _reduce_in_buckets(streams, the_comm, collective)
+            results = _reduce_in_buckets(streams, keys, the_comm, collective)
             for group, (reduced, stats), rest in zip(groups, results, rests):
                 _scatter_back(reduced.to_dense() * scale, group, accumulated, out)
                 if error_feedback:
@@ -347,11 +346,11 @@ def _dense_while(warming_up: jax.Array, flat: jax.Array, stream: SparseStream, r
     return stream, None if rest is None else jnp.where(warming_up, 0.0, rest)
 
 
-def _reduce_in_buckets(streams: list[SparseStream], comm: MPI.Comm, collective: dict) -> list:
+def _reduce_in_buckets(streams: list[SparseStream], keys: list[jax.Array], comm: MPI.Comm, collective: dict) -> list:
     """Starts every bucket's reduction in order, then waits for each: the engine reduces bucket b
     while the program goes on to sparsify bucket b + 1 (each start needs its own stream first)."""
-    options = dict(algorithm=collective["algorithm"], delta=collective["delta"], cost_model=collective["cost_model"])
-    handles = [sparse_allreduce_start(s, comm=comm, **options) for s in streams]
+    options = {name: value for name, value in collective.items() if name != "transport"}
+    handles = [sparse_allreduce_start(s, comm=comm, key=key_g, **options) for s, key_g in zip(streams, keys)]
     return [sparse_allreduce_wait(h, return_stats=True) for h in handles]
 
 

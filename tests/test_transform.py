@@ -151,7 +151,7 @@ def test_warmup_sends_dense(buckets):
     (dict(sparsifier="threshold"), "threshold"), (dict(algorithm="ring"), "algorithm"),
     (dict(transport="tcp"), "transport"), (dict(quantize_bits=4, algorithm="dense"), "quantize_bits"),
     (dict(density=0.1, capacity=5), "capacity"), (dict(buckets=0), "buckets"),
-    (dict(buckets=2, quantize_bits=4), "buckets"), (dict(buckets=2, transport="mpi4jax"), "buckets"),
+    (dict(buckets=2, capacity=8), "buckets"), (dict(buckets=2, transport="mpi4jax"), "buckets"),
 ])
 def test_bad_configuration_is_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

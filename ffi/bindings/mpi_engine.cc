@@ -25,6 +25,7 @@
 
 #include "merge.h"
 #include "partition.h"
+#include "qsgd.h"
 #include "mpi_wire.h"
 
 namespace {
@@ -53,6 +54,10 @@ struct Job {
   std::vector<int64_t> signature;
   std::vector<std::string> field_names;
   std::vector<int64_t> choice_nnz, choice_algorithm;  // auto: the cost model tabulated over max nnz
+  int quantize_bits = 0;                               // QSGD on DSAR's dense allgather (0: none)
+  int64_t bucket_size = 1024;
+  int scale_kind = SPARCML_QSGD_SCALE_MAX;
+  uint32_t key[2] = {0, 0};                            // this rank's key words
   Stream input;
   std::string input_error;  // this rank's stream failed validation
 
@@ -288,7 +293,7 @@ struct Schedule {
   }
 
   // DSAR_Split_allgather (Algorithm 3): the dense allgather of every rank's summed range.
-  Stream DenseAllgather(const Stream& part, int64_t n) {
+  Stream DenseAllgather(const Stream& part, int64_t n, const Job& job) {
     std::vector<int> counts(nprocs), displs(nprocs);
     int slot = 0;
     for (int r = 0; r < nprocs; ++r) {
@@ -307,15 +312,49 @@ struct Schedule {
     } else {
       for (int64_t j = 0; j < part.nnz; ++j) mine[part.idx[j]] = part.val[j];
     }
-    MPI_Request request;
-    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, out.val.data(), counts.data(), displs.data(), MPI_FLOAT, comm,
-                    &request);
-    Await(&request, 1);
+    if (job.quantize_bits) {
+      QuantizedAllgather(out.val.data(), counts, displs, slot, job);
+    } else {
+      MPI_Request request;
+      MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, out.val.data(), counts.data(), displs.data(), MPI_FLOAT, comm,
+                      &request);
+      Await(&request, 1);
+      sent += 4.0 * slot * (nprocs - 1);  // as the blocking DSAR reports its equal-slot allgather
+    }
     for (int64_t i = 0; i < n; ++i) out.idx[i] = static_cast<int32_t>(i);
     out.nnz = n;
-    sent += 4.0 * slot * (nprocs - 1);  // as the blocking DSAR reports its equal-slot allgather
     After(1, true);
     return out;
+  }
+
+  // SparCML §6: every rank QSGD-codes its slice (zero-padded to the slot), the codes travel,
+  // and every rank decodes the same bytes, exactly as the blocking DSAR does.
+  void QuantizedAllgather(float* values, const std::vector<int>& counts, const std::vector<int>& displs, int slot,
+                          const Job& job) {
+    int bits = job.quantize_bits;
+    int64_t nbytes = sparcml_qsgd_packed_bytes(slot, bits), nscales = sparcml_qsgd_num_buckets(slot, job.bucket_size);
+    Scratch<float> padded(slot);
+    std::fill(padded.begin(), padded.end(), 0.0f);
+    std::copy(values + displs[rank], values + displs[rank] + counts[rank], padded.begin());
+    Scratch<uint8_t> packed(nbytes * nprocs);
+    Scratch<float> scales(nscales * nprocs);
+    char err[SPARCML_ERRLEN] = {0};
+    if (slot > 0 && sparcml_qsgd_quantize(padded.data(), slot, bits, job.bucket_size, job.scale_kind, job.key[0],
+                                          job.key[1], packed.data() + nbytes * rank, scales.data() + nscales * rank,
+                                          err)) {
+      if (status == sparcml::kOk) error = err;
+      status = sparcml::kBadInput;
+    }
+    MPI_Request requests[2];
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, packed.data(), static_cast<int>(nbytes), MPI_BYTE, comm, &requests[0]);
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, scales.data(), static_cast<int>(nscales), MPI_FLOAT, comm,
+                   &requests[1]);
+    Await(requests, 2);
+    for (int r = 0; r < nprocs; ++r)
+      if (counts[r] > 0)
+        sparcml_qsgd_dequantize(packed.data() + nbytes * r, scales.data() + nscales * r, counts[r], bits,
+                                job.bucket_size, values + displs[r], err);
+    sent += static_cast<double>(nbytes + 4 * nscales) * (nprocs - 1);
   }
 
   Stream DenseAllreduce(const Stream& s) {
@@ -388,7 +427,7 @@ void Run(Job* job) {
     case kDense: job->result = schedule.DenseAllreduce(s); break;
     case kRecursiveDoubling: job->result = schedule.RecursiveDoubling(std::move(s)); break;
     case kSplitAllgather: job->result = schedule.AllgatherParts(schedule.ReduceScatter(s), n); break;
-    case kDsar: job->result = schedule.DenseAllgather(schedule.ReduceScatter(s), n); break;
+    case kDsar: job->result = schedule.DenseAllgather(schedule.ReduceScatter(s), n, *job); break;
     default: job->error = "unknown algorithm code " + std::to_string(job->algorithm); return;
   }
   // Like the blocking path's final check: every rank learns whether any rank failed.
@@ -490,10 +529,12 @@ class Engine {
   bool stopping_ = false, running_ = false;
 };
 
-ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz, ffi::Token,
-                     ffi::ResultBufferR0<ffi::S32> job_id, ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n,
-                     double delta, ffi::Span<const int64_t> signature, std::string_view fields,
-                     ffi::Span<const int64_t> choice_nnz, ffi::Span<const int64_t> choice_algorithm) {
+ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                     ffi::Buffer<ffi::U32> key, ffi::Token, ffi::ResultBufferR0<ffi::S32> job_id,
+                     ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n, double delta,
+                     ffi::Span<const int64_t> signature, std::string_view fields, ffi::Span<const int64_t> choice_nnz,
+                     ffi::Span<const int64_t> choice_algorithm, int64_t quantize_bits, int64_t bucket_size,
+                     std::string_view quantize_scale) {
   int thread_level = 0;
   MPI_Query_thread(&thread_level);
   if (thread_level != MPI_THREAD_MULTIPLE)
@@ -506,6 +547,11 @@ ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::
   job->field_names = sparcml::SplitFieldNames(fields);
   job->choice_nnz.assign(choice_nnz.begin(), choice_nnz.end());
   job->choice_algorithm.assign(choice_algorithm.begin(), choice_algorithm.end());
+  job->quantize_bits = static_cast<int>(quantize_bits);
+  job->bucket_size = bucket_size;
+  job->scale_kind = quantize_scale == "l2" ? SPARCML_QSGD_SCALE_L2 : SPARCML_QSGD_SCALE_MAX;
+  job->key[0] = key.typed_data()[0];
+  job->key[1] = key.typed_data()[1];
   int64_t count = nnz.typed_data()[0], capacity = static_cast<int64_t>(idx.element_count());
   char err[SPARCML_ERRLEN] = {0};
   if (sparcml_check_stream("stream", idx.typed_data(), count, capacity, n, err)) {
@@ -564,6 +610,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlEngineStart, StartImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Token>()
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Token>()
@@ -573,7 +620,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlEngineStart, StartImpl,
                                   .Attr<ffi::Span<const int64_t>>("signature")
                                   .Attr<std::string_view>("fields")
                                   .Attr<ffi::Span<const int64_t>>("choice_nnz")
-                                  .Attr<ffi::Span<const int64_t>>("choice_algorithm"));
+                                  .Attr<ffi::Span<const int64_t>>("choice_algorithm")
+                                  .Attr<int64_t>("quantize_bits")
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<std::string_view>("quantize_scale"));
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlEngineWait(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlEngineWait, WaitImpl,

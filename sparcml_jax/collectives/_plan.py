@@ -11,6 +11,18 @@ import jax.numpy as jnp
 from mpi4py import MPI
 
 ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+QUANTIZE_BITS = (2, 4, 8)
+
+
+def check_quantize_options(algorithm: str, quantize_bits: int, key) -> None:
+    """QSGD applies to DSAR's dense phase and needs a key (raises ValueError naming the fix)."""
+    if quantize_bits not in QUANTIZE_BITS:
+        raise ValueError(f"quantize_bits must be one of {QUANTIZE_BITS} or None, got {quantize_bits!r}")
+    if algorithm not in ("auto", "dsar_split_allgather"):
+        raise ValueError(
+            f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), not {algorithm!r}")
+    if key is None:
+        raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,10 +34,11 @@ import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.collectives._agree import cost_model_for, reset_after_error, signature
-from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan
+from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, check_quantize_options
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.comm import engine, native, resolve_comm
 from sparcml_jax.kernels._common import check_stream
+from sparcml_jax.kernels.qsgd import _key_words
 from sparcml_jax.stream import SparseStream
 
 
@@ -64,6 +65,10 @@ def sparse_allreduce_start(
     algorithm: str = "auto",
     transport: str = "native",
     delta: float = 1.0,
+    quantize_bits: int | None = None,
+    key: jax.Array | None = None,
+    bucket_size: int = 1024,
+    quantize_scale: str = "max",
     cost_model: CostModel | None = None,
 ) -> AllreduceHandle:
     """Starts summing every rank's stream in the background and returns at once.
@@ -71,7 +76,8 @@ def sparse_allreduce_start(
     The arguments mean what they mean for :func:`sparcml_jax.sparse_allreduce`; the result of
     :func:`sparse_allreduce_wait` is the same stream, bit for bit for the sparse algorithms.
     ``"auto"`` uses the same cost model, tabulated over the largest nnz, which the engine learns
-    in its agreement step. The engine speaks the native transport; QSGD is not offered here.
+    in its agreement step. QSGD on DSAR's dense phase takes the same ``key`` and gives the same
+    codes as the blocking call. The engine speaks the native transport only.
 
     Example (under ``mpirun -n P``; one process returns its input):
       >>> import jax.numpy as jnp
@@ -93,16 +99,23 @@ def sparse_allreduce_start(
         if transport != "native":
             raise ValueError(f"the non-blocking engine speaks the native transport only, got transport={transport!r}; "
                              "use sparse_allreduce for the mpi4jax transport")
-        plan = Plan(comm, native, float(delta))
+        words = None
+        if quantize_bits is not None:
+            check_quantize_options(algorithm, quantize_bits, key)
+            words = _key_words(jax.random.fold_in(key, comm.Get_rank()))  # as the blocking DSAR keys its ranks
+        plan = Plan(comm, native, float(delta), quantize_bits, int(bucket_size), quantize_scale)
     except (TypeError, ValueError) as e:
         _reject_everywhere(comm, e)
     bounds, choices = _choice_table(plan, stream, algorithm, model)
     capacity = max(_result_capacity(ALGORITHMS[c], stream, plan) for c in choices)
     sig = signature("allreduce", size=stream.size, capacity=stream.capacity,
                     algorithm=(*ALGORITHMS, "auto").index(algorithm), delta=plan.delta,
+                    quantize_bits=plan.quantize_bits, bucket_size=plan.bucket_size, quantize_scale=plan.quantize_scale,
                     alpha=float(model.alpha) if algorithm == "auto" else None,
                     beta=float(model.beta) if algorithm == "auto" else None)
-    job = engine.start(stream, comm=comm, delta=plan.delta, signature=sig, choice_nnz=bounds, choice_algorithm=choices)
+    job = engine.start(stream, comm=comm, delta=plan.delta, signature=sig, choice_nnz=bounds, choice_algorithm=choices,
+                       key_words=words, quantize_bits=plan.quantize_bits, bucket_size=plan.bucket_size,
+                       quantize_scale=plan.quantize_scale)
     return AllreduceHandle(job, stream.size, capacity)
 
 
@@ -158,7 +171,7 @@ def _result_capacity(name: str, s: SparseStream, plan: Plan) -> int:
     """The capacity of the blocking algorithm's result (traced abstractly: nothing is sent)."""
     from sparcml_jax.collectives import _run
 
-    shape = jax.eval_shape(lambda stream: _run(name, stream, plan, None)[0], s)
+    shape = jax.eval_shape(lambda stream: _run(name, stream, plan, jax.random.PRNGKey(0))[0], s)
     return shape.capacity
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 from mpi4py import MPI
 
 from sparcml_jax import _lib
@@ -40,17 +41,21 @@ _wait_p = ordered_ffi_primitive(
 
 
 def start(s: SparseStream, *, comm: MPI.Comm, delta: float, signature: dict[str, int],
-          choice_nnz: tuple[int, ...], choice_algorithm: tuple[int, ...]) -> jax.Array:
+          choice_nnz: tuple[int, ...], choice_algorithm: tuple[int, ...], key_words: jax.Array | None = None,
+          quantize_bits: int | None = None, bucket_size: int = 1024, quantize_scale: str = "max") -> jax.Array:
     """Submits the allreduce of ``s`` and returns its job id (int32 scalar).
 
     The engine runs ``choice_algorithm[i]`` for the first ``i`` with ``choice_nnz[i] >=`` the
     largest nnz over ranks, after the ranks agreed on ``signature`` and validated their streams.
+    ``key_words`` (uint32[2], this rank's) drive QSGD when ``quantize_bits`` is set.
     """
     _shutdown_at_exit()
+    key_words = jnp.zeros((2,), jnp.uint32) if key_words is None else key_words
     (job,) = _start_p.bind(
-        s.indices, s.values, s.nnz, comm=i64(comm.py2f()), n=i64(s.size), delta=float(delta),
+        s.indices, s.values, s.nnz, key_words, comm=i64(comm.py2f()), n=i64(s.size), delta=float(delta),
         signature=tuple(int(v) for v in signature.values()), fields=",".join(signature),
         choice_nnz=tuple(choice_nnz), choice_algorithm=tuple(choice_algorithm),
+        quantize_bits=i64(quantize_bits or 0), bucket_size=i64(bucket_size), quantize_scale=quantize_scale,
     )
     return job
 

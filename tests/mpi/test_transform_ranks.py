@@ -34,7 +34,9 @@ def test_identical_parameters_after_every_step():
                         sparcml_jax.allreduce_gradients(k=50, quantize_bits=4, algorithm="dsar_split_allgather"),
                         sparcml_jax.allreduce_gradients(density=0.05, sparsifier="randomk", fuse=False,
                                                         transport="mpi4jax", warmup_steps=1),
-                        sparcml_jax.allreduce_gradients(density=0.05, buckets=2, warmup_steps=1, min_size=100)):
+                        sparcml_jax.allreduce_gradients(density=0.05, buckets=2, warmup_steps=1, min_size=100),
+                        sparcml_jax.allreduce_gradients(k=50, buckets=2, quantize_bits=2,
+                                                        algorithm="dsar_split_allgather")):
             tx = optax.chain(reducer, optax.adam(1e-2))
             params, state = _params(), tx.init(_params())
 
