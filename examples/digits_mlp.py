@@ -62,7 +62,7 @@ def train(name, reducer, data, args, comm):
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(forward(p, x_test), -1) == y_test))
     rng = np.random.default_rng(args.seed + rank)
     steps = per_rank // args.batch
-    times = []
+    times, history = [], {"epoch": [], "loss": [], "accuracy": [], "time_s": []}
     for epoch in range(args.epochs):
         order = rng.permutation(per_rank)
         losses = []
@@ -76,11 +76,14 @@ def train(name, reducer, data, args, comm):
         if (epoch + 1) % args.report_every == 0 or epoch + 1 == args.epochs:
             mean_loss = comm.allreduce(float(np.mean(losses)), op=MPI.SUM) / nprocs
             acc = float(accuracy(params))
+            for field, value in (("epoch", epoch + 1), ("loss", mean_loss), ("accuracy", acc),
+                                 ("time_s", comm.allreduce(sum(times), op=MPI.MAX))):
+                history[field].append(value)
             if rank == 0:
                 print(f"[{name:6s}] epoch {epoch + 1:3d}/{args.epochs}  loss {mean_loss:.4f}  test accuracy {acc:.4f}",
                       flush=True)
     step_ms = comm.allreduce(statistics.median(times[5:]) * 1e3, op=MPI.MAX)
-    return {"accuracy": float(accuracy(params)), "step_ms": step_ms, "state": opt_state}
+    return {"accuracy": float(accuracy(params)), "step_ms": step_ms, "state": opt_state, "history": history}
 
 
 def main(argv=None):
@@ -94,6 +97,9 @@ def main(argv=None):
     parser.add_argument("--scale", default="max", choices=["max", "l2"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-every", type=int, default=10)
+    parser.add_argument("--buckets", type=int, default=0,
+                        help="also train with the gradient split into this many buckets reduced by the "
+                             "non-blocking engine (overlap), and compare step times")
     args = parser.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -107,6 +113,11 @@ def main(argv=None):
         density=args.density, quantize_bits=args.bits, quantize_scale=args.scale,
         algorithm="dsar_split_allgather", min_size=0, seed=args.seed)
     sparse = train("sparse", sparse_reducer, data, args, comm)
+    if args.buckets:
+        bucketed_reducer = sparcml_jax.allreduce_gradients(
+            density=args.density, quantize_bits=args.bits, quantize_scale=args.scale,
+            algorithm="dsar_split_allgather", min_size=0, seed=args.seed, buckets=args.buckets)
+        bucketed = train("bucket", bucketed_reducer, data, args, comm)
     dense = train("dense", sparcml_jax.dense_allreduce_gradients(), data, args, comm)
     if comm.Get_rank() == 0:
         stats = sparse["state"][0].stats
@@ -115,7 +126,11 @@ def main(argv=None):
               f"top-k {args.density:.0%} + error feedback + {args.bits}-bit QSGD sends "
               f"{float(stats.bytes_sent) / 1e3:.1f} kB/step/rank; step {sparse['step_ms']:.2f} ms vs "
               f"{dense['step_ms']:.2f} ms", flush=True)
-    return sparse, dense
+        if args.buckets:
+            print(f"buckets: {args.buckets} buckets on the non-blocking engine: test accuracy "
+                  f"{bucketed['accuracy']:.4f}; step {bucketed['step_ms']:.2f} ms vs {sparse['step_ms']:.2f} ms "
+                  f"unbucketed ({bucketed['step_ms'] / sparse['step_ms']:.2f}x)", flush=True)
+    return {"sparse": sparse, "dense": dense, **({"bucketed": bucketed} if args.buckets else {})}
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def train(name: str, reducer: optax.GradientTransformation, train_set: SparseDat
         return optax.apply_updates(params, updates), opt_state, loss
 
     batches = len(train_set) // args.batch
-    history = {"step_ms": [], "loss": []}
+    history = {"step_ms": [], "loss": [], "time_s": []}
+    elapsed = 0.0
     for epoch in range(args.epochs):
         losses, times = [], []
         for b in range(batches):
@@ -62,8 +63,10 @@ def train(name: str, reducer: optax.GradientTransformation, train_set: SparseDat
             losses.append(float(loss))
         epoch_loss = comm.allreduce(float(np.mean(losses)), op=MPI.SUM) / comm.Get_size()
         step_ms = comm.allreduce(statistics.median(times[1:] if epoch == 0 else times) * 1e3, op=MPI.MAX)
+        elapsed += comm.allreduce(sum(times), op=MPI.MAX)
         history["loss"].append(epoch_loss)
         history["step_ms"].append(step_ms)
+        history["time_s"].append(elapsed)
         if rank == 0:
             extra = ""
             stats = getattr(opt_state[0], "stats", None)

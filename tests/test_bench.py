@@ -26,3 +26,25 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "| best SparCML |" in (tmp_path / "report.md").read_text()
+
+
+def test_quick_overlap_benchmark(tmp_path):
+    out = tmp_path / "overlap.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "overlap", "--quick", "--json", str(out)], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "hidden fraction" in result.stdout
+    data = json.loads(out.read_text())
+    assert set(data["median"]) == {"reduce", "blocking", "compute", "sequential", "overlapped", "unpinned"}
+    assert all(len(v) == data["reps"] for v in data["samples"].values())
+
+
+def test_quick_train_benchmark(tmp_path):
+    out = tmp_path / "train.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "train", "--quick", "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {(r["example"], r["run"]) for r in rows} == {("url_logreg", "sparse"), ("url_logreg", "dense"),
+                                                        ("digits_mlp", "sparse"), ("digits_mlp", "dense"),
+                                                        ("digits_mlp", "bucketed")}
+    for r in rows:  # the target is the worst final loss (+5 %): every run reaches it
+        assert r["step_ms"] > 0 and r["time_to_target_s"] is not None

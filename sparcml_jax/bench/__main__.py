@@ -1,4 +1,4 @@
-"""``python -m sparcml_jax.bench {kernels,allreduce,overlap,report}``: benchmarks that print ratios against baselines."""
+"""``python -m sparcml_jax.bench {kernels,allreduce,overlap,train,report}``: benchmarks that print ratios against baselines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"kernels": "sparcml_jax.bench.kernels", "allreduce": "sparcml_jax.bench.allreduce",
-                "overlap": "sparcml_jax.bench.overlap",                 "report": "sparcml_jax.bench.report"}
+                "overlap": "sparcml_jax.bench.overlap", "train": "sparcml_jax.bench.train",
+                "report": "sparcml_jax.bench.report"}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m sparcml_jax.bench {{{','.join(commands)}}} [options]  (--help for each)")
         raise SystemExit(2)

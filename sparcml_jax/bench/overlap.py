@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--json", help="write the results to this JSON file (rank 0)")
     p.add_argument("--network", default="shm", help="label of the network in the output")
+    p.add_argument("--quick", action="store_true", help="N = 2^18 and 3 repetitions (a smoke run)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.reps = 1 << 18, 3
 
     comm = resolve_comm(None)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
