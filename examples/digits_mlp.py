@@ -44,7 +44,7 @@ def loss_fn(params, x, y):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(forward(params, x), y))
 
 
-def train(name, reducer, data, args, comm):
+def train(name, reducer, data, args, comm, compiler_options=None):
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_train, y_train, x_test, y_test = data
     per_rank = len(x_train) // nprocs
@@ -53,7 +53,7 @@ def train(name, reducer, data, args, comm):
     tx = optax.chain(reducer, optax.adam(args.lr))
     opt_state = tx.init(params)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=compiler_options)
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -117,7 +117,8 @@ def main(argv=None):
         bucketed_reducer = sparcml_jax.allreduce_gradients(
             density=args.density, quantize_bits=args.bits, quantize_scale=args.scale,
             algorithm="dsar_split_allgather", min_size=0, seed=args.seed, buckets=args.buckets)
-        bucketed = train("bucket", bucketed_reducer, data, args, comm)
+        # Lets each bucket's reduction start during the backward pass (see OVERLAP_COMPILER_OPTIONS).
+        bucketed = train("bucket", bucketed_reducer, data, args, comm, sparcml_jax.OVERLAP_COMPILER_OPTIONS)
     dense = train("dense", sparcml_jax.dense_allreduce_gradients(), data, args, comm)
     if comm.Get_rank() == 0:
         stats = sparse["state"][0].stats

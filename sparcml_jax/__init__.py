@@ -13,7 +13,12 @@ from sparcml_jax.collectives import (
     sparse_allgather,
     sparse_allreduce,
 )
-from sparcml_jax.collectives.nonblocking import AllreduceHandle, sparse_allreduce_start, sparse_allreduce_wait
+from sparcml_jax.collectives.nonblocking import (
+    OVERLAP_COMPILER_OPTIONS,
+    AllreduceHandle,
+    sparse_allreduce_start,
+    sparse_allreduce_wait,
+)
 from sparcml_jax.kernels.merge import merge, merge_capacity, merge_reference
 from sparcml_jax.kernels.partition import (
     from_dense,
@@ -46,6 +51,7 @@ from sparcml_jax import sparsifiers
 
 __all__ = [
     "ALGORITHMS",
+    "OVERLAP_COMPILER_OPTIONS",
     "AllreduceHandle",
     "AllreduceGradientsState",
     "AllreduceStats",

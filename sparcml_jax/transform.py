@@ -110,8 +110,10 @@ def allreduce_gradients(
         bucket's reduction is started on the non-blocking engine as soon as its stream exists
         (:func:`sparcml_jax.sparse_allreduce_start`); the update waits for a bucket only where
         it needs that bucket's result, so the sparsification of later buckets, and whatever
-        else XLA schedules there, runs while earlier buckets are reduced. Native transport,
-        no ``capacity``.
+        else XLA schedules there, runs while earlier buckets are reduced. Compile the train
+        step with ``jax.jit(..., compiler_options=sparcml_jax.OVERLAP_COMPILER_OPTIONS)`` to
+        overlap the backward pass as well: XLA:CPU's default scheduler computes every gradient
+        before the first start. Native transport, no ``capacity``.
 
     Example (also runs as a single process, where it is the identity):
       >>> import jax, jax.numpy as jnp, optax

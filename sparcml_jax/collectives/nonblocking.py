@@ -42,6 +42,13 @@ from sparcml_jax.kernels.qsgd import _key_words
 from sparcml_jax.stream import SparseStream
 
 
+# Compile options for programs that overlap reductions with the backward pass (allreduce_gradients
+# with buckets): XLA:CPU's default scheduler runs the whole backward pass before the first start;
+# the memory-optimized one starts each bucket as soon as its gradients exist (checked on the
+# schedule of examples/digits_mlp.py). Pass them to jax.jit(..., compiler_options=...).
+OVERLAP_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AllreduceHandle:
@@ -188,4 +195,4 @@ def _reject_everywhere(comm: MPI.Comm, error: BaseException) -> None:
     raise error
 
 
-__all__ = ["AllreduceHandle", "sparse_allreduce_start", "sparse_allreduce_wait"]
+__all__ = ["OVERLAP_COMPILER_OPTIONS", "AllreduceHandle", "sparse_allreduce_start", "sparse_allreduce_wait"]
