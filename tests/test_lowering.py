@@ -26,6 +26,8 @@ from sparcml_jax import (
     dense_threshold,
     sparse_allgather,
     sparse_allreduce,
+    sparse_allreduce_start,
+    sparse_allreduce_wait,
 )
 
 ERRORS = (ValueError, RuntimeError)
@@ -58,13 +60,15 @@ def signatures(text: str) -> dict[str, int]:
 
 
 def mixed(s: SparseStream, x: jax.Array):
-    """Native-transport and mpi4jax-transport collectives and a plain mpi4jax op in one program."""
+    """Both transports, the non-blocking engine and a plain mpi4jax op in one program."""
+    handle = sparse_allreduce_start(s, algorithm="ssar_split_allgather")
     a = sparse_allreduce(s, algorithm="ssar_recursive_doubling", transport="native")
     b = sparse_allreduce(s, algorithm="dense", transport="mpi4jax")  # an mpi4jax allreduce inside
     c = sparse_allreduce(s, algorithm="ssar_split_allgather", transport="native")
     d = mpi4jax.allreduce(x, op=MPI.SUM)
     e = sparse_allgather(s, transport="mpi4jax")
-    return a.to_dense() + b.to_dense() + c.to_dense() + d + e.to_dense()
+    f = sparse_allreduce_wait(handle, after=d)
+    return a.to_dense() + b.to_dense() + c.to_dense() + d + e.to_dense() + f.to_dense()
 
 
 def test_mixed_program_has_exactly_one_token_chain():
@@ -74,6 +78,7 @@ def test_mixed_program_has_exactly_one_token_chain():
     # All three kinds of MPI op are in the program (otherwise the count below proves nothing).
     assert "sparcml_mpi_summary" in targets and "sparcml_mpi_check" in targets, targets
     assert "mpi_allreduce_ffi" in targets, targets
+    assert "sparcml_engine_start" in targets and "sparcml_engine_wait" in targets, targets
     sig = signatures(text)
     assert sig["main"] == 2, f"main carries {sig['main']} token markers (2 = one chain, 4 = two chains)"
     assert all(n in (0, 2) for n in sig.values()), sig
@@ -101,7 +106,7 @@ def test_token_counting_detects_a_second_chain():
 def test_mixed_program_runs_and_is_the_identity_sum():
     s, x = stream(64, [3, 9, 40], capacity=8), jnp.arange(64, dtype=jnp.float32)
     got = np.asarray(jax.jit(mixed)(s, x))
-    want = 4 * np.asarray(s.to_dense()) + np.asarray(x)
+    want = 5 * np.asarray(s.to_dense()) + np.asarray(x)
     np.testing.assert_array_equal(got, want)
 
 
