@@ -82,6 +82,8 @@ def _shutdown() -> None:
     which beats hanging in MPI_Finalize.
     """
     lib = _lib.mpi_library()
+    if not hasattr(lib, "SparcmlEngineShutdown"):  # a stale build: start failed to lower, nothing runs
+        return
     lib.SparcmlEngineShutdown.restype = int
     lib.SparcmlEngineShutdown.argtypes = [ctypes.c_double]
     timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
