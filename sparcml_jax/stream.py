@@ -130,6 +130,12 @@ class SparseStream:
         return jnp.where(self.is_dense, self.size * VALUE_BYTES, self.nnz * (INDEX_BYTES + VALUE_BYTES))
 
 
+def dense_stream(values: jax.Array) -> SparseStream:
+    """The dense representation of a float32[size] vector: indices 0..size-1, ``nnz == size``."""
+    n = values.shape[0]
+    return SparseStream(jnp.arange(n, dtype=INDEX_DTYPE), values, jnp.asarray(n, INDEX_DTYPE), n)
+
+
 def resize(s: SparseStream, capacity: int) -> SparseStream:
     """Pads or truncates the buffers to ``capacity`` (the caller guarantees nnz fits)."""
     extra = capacity - s.capacity

@@ -268,18 +268,24 @@ ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, f
   int parts, rank;
   MPI_Comm_size(comm, &parts);
   MPI_Comm_rank(comm, &rank);
-  int fields = static_cast<int>(signature.size());
-  std::vector<int64_t> mine(signature.begin(), signature.end()), all(static_cast<size_t>(fields) * parts);
-  MPI_Allgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, comm);
+  // One MPI call: every rank's signature, then its stream check and nnz.
+  char err[SPARCML_ERRLEN] = {0};
+  int64_t count = nnz.typed_data()[0];
+  int bad = sparcml_check_stream("stream", idx.typed_data(), count, static_cast<int64_t>(idx.element_count()), n, err);
+  int fields = static_cast<int>(signature.size()), row = fields + 2;
+  std::vector<int64_t> mine(signature.begin(), signature.end()), all(static_cast<size_t>(row) * parts);
+  mine.push_back(bad);
+  mine.push_back(bad ? 0 : count);
+  MPI_Allgather(mine.data(), row, MPI_INT64_T, all.data(), row, MPI_INT64_T, comm);
   std::vector<std::string> names = sparcml::SplitFieldNames(field_names);
   for (int f = 0; f < fields; ++f) {
     bool same = true;
-    for (int r = 1; r < parts; ++r) same = same && all[r * fields + f] == all[f];
+    for (int r = 1; r < parts; ++r) same = same && all[r * row + f] == all[f];
     if (same) continue;
     std::string name = f < static_cast<int>(names.size()) ? names[f] : std::to_string(f);
     std::string listing;
     for (int r = 0; r < parts && r < 8; ++r)
-      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + sparcml::RenderField(name, all[r * fields + f]);
+      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + sparcml::RenderField(name, all[r * row + f]);
     if (name == "argument error") {
       return ffi::Error::InvalidArgument("rank " + std::to_string(rank) +
                                          ": another rank rejected its arguments (see its error); " + listing);
@@ -288,19 +294,20 @@ ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, f
                                        name);
   }
 
-  char err[SPARCML_ERRLEN] = {0};
-  int64_t count = nnz.typed_data()[0];
-  int bad = sparcml_check_stream("stream", idx.typed_data(), count, static_cast<int64_t>(idx.element_count()), n, err);
-  long long local[4] = {bad, bad ? 0 : count, bad ? 0 : -count, bad ? 0 : count};
-  long long global[4];
-  MPI_Allreduce(local, global, 3, MPI_LONG_LONG, MPI_MAX, comm);
-  MPI_Allreduce(local + 3, global + 3, 1, MPI_LONG_LONG, MPI_SUM, comm);
+  int64_t any_bad = 0, max_nnz = 0, min_nnz = INT64_MAX, sum_nnz = 0;
+  for (int r = 0; r < parts; ++r) {
+    int64_t r_bad = all[r * row + fields], r_nnz = all[r * row + fields + 1];
+    any_bad = std::max(any_bad, r_bad);
+    max_nnz = std::max(max_nnz, r_nnz);
+    min_nnz = std::min(min_nnz, r_nnz);
+    sum_nnz += r_nnz;
+  }
   if (bad) return ffi::Error::InvalidArgument("rank " + std::to_string(rank) + ": " + err);
-  if (global[0]) return ffi::Error::InvalidArgument("invalid input stream on another rank (see that rank's error)");
+  if (any_bad) return ffi::Error::InvalidArgument("invalid input stream on another rank (see that rank's error)");
   int32_t* out = summary->typed_data();
-  out[0] = static_cast<int32_t>(global[1]);
-  out[1] = static_cast<int32_t>(-global[2]);
-  out[2] = static_cast<int32_t>(std::min<long long>(global[3], INT32_MAX));
+  out[0] = static_cast<int32_t>(max_nnz);
+  out[1] = static_cast<int32_t>(min_nnz);
+  out[2] = static_cast<int32_t>(std::min<int64_t>(sum_nnz, INT32_MAX));
   return ffi::Error::Success();
 }
 

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.collectives._agree import cost_model_for, reject_everywhere, reset_after_error, signature
-from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, Progress
+from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, Progress, check_quantize_options
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.dense import dense_allreduce, dense_as_stream
 from sparcml_jax.collectives.dsar_split_allgather import dsar_split_allgather
@@ -31,8 +31,6 @@ from sparcml_jax.stream import SparseStream, can_switch_to_dense, resize
 
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
            "sparse_allreduce"]
-
-_QUANTIZE_BITS = (2, 4, 8)
 
 
 def _algorithm_fn(name: str) -> Callable:
@@ -98,14 +96,7 @@ def sparse_allreduce(
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
         if quantize_bits is not None:
-            if quantize_bits not in _QUANTIZE_BITS:
-                raise ValueError(f"quantize_bits must be one of {_QUANTIZE_BITS} or None, got {quantize_bits!r}")
-            if algorithm not in ("auto", "dsar_split_allgather"):
-                raise ValueError(
-                    f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), not {algorithm!r}"
-                )
-            if key is None:
-                raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
+            check_quantize_options(algorithm, quantize_bits, key)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     plan = Plan(comm, t, float(delta), quantize_bits, int(bucket_size), quantize_scale)
@@ -140,7 +131,8 @@ def _compiled(plan: Plan, algorithm: str, cost_model: CostModel | None):
             code = jnp.int32(ALGORITHMS.index(name))
         else:
             result, progress, code = _dynamic_choice(plan, stream, cost_model, key, max_nnz=summary[0])
-        native.check(progress.status, comm=plan.comm)
+        if isinstance(progress.status, jax.core.Tracer):  # a constant status (the dense path) cannot fail
+            native.check(progress.status, comm=plan.comm)
         return result, AllreduceStats(code, progress.bytes_sent, result.nnz, progress.dense_round)
 
     return run
@@ -163,7 +155,7 @@ def _candidates(plan: Plan) -> tuple[str, ...]:
 def _predict(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, xp):
     return cost_model.predict(name, size=s.size, nnz=nnz, nprocs=plan.nprocs, transport=plan.transport.NAME,
                               capacity=s.capacity, quantize_bits=plan.quantize_bits if name.startswith("dsar") else None,
-                              xp=xp)
+                              delta=plan.delta, xp=xp)
 
 
 def _static_choice(plan: Plan, s: SparseStream, cost_model: CostModel) -> str | None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import lower_power_of_two
+from sparcml_jax.comm.topology import gathered_capacity, grown_capacity, lower_power_of_two
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,13 +27,14 @@ class CostModel:
     Attributes:
       alpha: seconds per message (latency), from a ping-pong between ranks 0 and 1.
       beta: seconds per byte on the wire, from the same ping-pong.
-      dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small and a
-        large one): on a node it is bound by memory and by the ranks sharing cores, not by the
-        wire, and the SparCML algorithms must beat the real thing.
+      dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
+        seconds per byte of the vector from a large one, past the caches): on a node it is bound
+        by memory and by the ranks sharing cores, not by the wire, and the SparCML algorithms
+        must beat the real thing.
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
         on every rank at once (so ranks that share cores are measured sharing them).
-      element_cost: seconds per element of a pass over a length-N vector (densify, padding),
-        measured the same way.
+      element_cost: seconds per element of a pass over a length-N vector (densify, padding, a
+        result buffer), measured the same way.
     """
 
     alpha: float
@@ -43,7 +45,8 @@ class CostModel:
     element_cost: float = 0.0
 
     @classmethod
-    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 1 << 20, large_reps: int = 5) -> "CostModel":
+    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 1 << 20, large_reps: int = 5,
+                  dense_bytes: int = 8 << 20) -> "CostModel":
         """Measures the model on ``comm``; every rank gets rank 0's numbers (identical choices)."""
         if comm.Get_size() < 2:
             return cls(alpha=0.0, beta=0.0)
@@ -51,8 +54,8 @@ class CostModel:
         t_small, t_large = _ping_pong(comm, small, small_reps), _ping_pong(comm, large, large_reps)
         alpha = max(t_small, 1e-7)
         beta = max((t_large - alpha) / large_bytes, 1e-12)
-        d_small, d_large = _allreduce_seconds(comm, 2), _allreduce_seconds(comm, large_bytes // 4)
-        dense_beta = max((d_large - d_small) / large_bytes, 1e-12)
+        d_small, d_large = _allreduce_seconds(comm, 2), _allreduce_seconds(comm, dense_bytes // 4)
+        dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
         numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost)
         return cls(*comm.bcast(numbers, root=0))
@@ -61,7 +64,7 @@ class CostModel:
         return self.alpha + nbytes * self.beta
 
     def predict(self, algorithm: str, *, size: int, nnz, nprocs: int, transport: str = "native",
-                capacity: int | None = None, quantize_bits: int | None = None, xp=np):
+                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0, xp=np):
         """Predicted seconds of one allreduce; ``nnz`` is the largest per-rank count (scalar or traced)."""
         n, p = float(size), nprocs
         if p == 1:
@@ -82,31 +85,40 @@ class CostModel:
         def merge(m):  # merging two streams of m-fold unions, or adding dense vectors
             return xp.where(8.0 * count(m) >= dense_bytes, n * self.element_cost, 2 * count(m) * self.pair_cost)
 
-        dense_capable = 2.0 * (capacity if capacity is not None else n) >= n  # buffers of length N
-        n_passes = (n * self.element_cost) if dense_capable else 0.0
+        def result_buffers(cap):  # a result of capacity N: fresh length-N index and value buffers
+            return 2 * n * self.element_cost if cap >= n else 0.0
 
+        cap = size if capacity is None else capacity
         log_p = math.log2(p)
-        if algorithm == "dense":
-            return self.dense_alpha + 2 * (p - 1) / p * dense_bytes * self.dense_beta
+        if algorithm == "dense":  # densify into the result, MPI_Allreduce in place, indices 0..N-1
+            return self.dense_alpha + dense_bytes * self.dense_beta + result_buffers(size)
         if algorithm == "ssar_recursive_doubling":
             lower = lower_power_of_two(p)
             folded = 2 if lower < p else 1
             cost = 0.0
             if lower < p:
+                cap = grown_capacity(cap, size, 2, delta)
                 cost = cost + self.message(stream_bytes(1), xp) + self.message(stream_bytes(p), xp) + merge(1)
             m = folded
             while m < folded * lower:
-                cost = cost + self.message(stream_bytes(m), xp) + merge(m) + n_passes
+                cap = grown_capacity(cap, size, 2, delta)
+                cost = cost + self.message(stream_bytes(m), xp) + merge(m) + result_buffers(cap)
                 m *= 2
             return cost
-        split_phase = (p - 1) * self.message(stream_bytes(1) / p, xp) + p * count(1) / p * self.pair_cost
+        sends = (p - 1) * self.message(stream_bytes(1) / p, xp)  # range r of every stream to rank r
+        split_phase = sends + count(1) * self.pair_cost  # and the merges of what arrives
         if algorithm == "ssar_split_allgather":
             gather = log_p * self.alpha + (p - 1) * stream_bytes(p) / p * self.beta
-            return split_phase + gather + count(p) * self.pair_cost + n_passes
+            return split_phase + gather + count(p) * self.pair_cost + result_buffers(gathered_capacity(cap, size, p, delta))
         if algorithm == "dsar_split_allgather":
+            # The dense allgather is about half of a dense allreduce (reduce-scatter + allgather).
             value_bytes = 4.0 if quantize_bits is None else quantize_bits / 8.0
-            gather = log_p * self.alpha + (p - 1) * n / p * value_bytes * self.dense_beta
-            return split_phase + gather + 3 * n * self.element_cost
+            gather = log_p * self.alpha + n * value_bytes * self.dense_beta / 2
+            # What arrives is added into the dense slice: P streaming passes over N / P values.
+            passes = 1 + 1 / p if quantize_bits is None else 4  # (QSGD: also code and decode passes)
+            if static:  # the mpi4jax transport densifies, pads and concatenates in fresh XLA buffers
+                passes += 3
+            return sends + gather + passes * n * self.element_cost + result_buffers(size)
         raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
@@ -123,7 +135,8 @@ def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
-    """Per-pair merge and per-element pass costs, timed on every rank at the same time."""
+    """Per-pair merge and per-element pass costs, times the number of ranks that share each core of
+    this node (timed at once, kernels this short barely overlap across ranks and hide the sharing)."""
     import jax
     import jax.numpy as jnp
 
@@ -139,8 +152,10 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
 
     a, b = stream(), stream()
     merged = jax.jit(lambda a, b: merge(a, b).values)
-    vector = jnp.ones(n, jnp.float32)
-    one_pass = jax.jit(lambda v: v * 2.0)
+    vector = np.ones(n, np.float32)
+
+    def one_pass(v):  # in place: the results' buffers are written once, without page faults
+        return np.multiply(v, 2.0, out=v)
 
     def median(fn, *args, reps=7):
         jax.block_until_ready(fn(*args))
@@ -151,8 +166,10 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 
-    comm.Barrier()
-    return median(merged, a, b) / (2 * k), median(one_pass, vector) / n
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_per_core = max(1.0, shared.Get_size() / max(1, len(os.sched_getaffinity(0))))
+    shared.Free()
+    return ranks_per_core * median(merged, a, b) / (2 * k), ranks_per_core * median(one_pass, vector) / n
 
 
 def _ping_pong(comm: MPI.Comm, buf: np.ndarray, reps: int) -> float:

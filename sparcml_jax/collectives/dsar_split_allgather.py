@@ -13,21 +13,28 @@ import jax.numpy as jnp
 import mpi4jax
 
 from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.collectives.ssar_split_allgather import split_phase
-from sparcml_jax.comm.topology import part_length
-from sparcml_jax.stream import INDEX_DTYPE, SparseStream
+from sparcml_jax.comm.topology import part_capacity, part_length
+from sparcml_jax.stream import SparseStream, dense_stream
+
+
+def dense_split_phase(s: SparseStream, plan: Plan) -> tuple[jax.Array, Progress]:
+    """Round 0: rank r ends with the dense sum of range r (the ranges travel as in the SSAR split)."""
+    mine, is_dense, status, sent = plan.transport.reduce_scatter_dense(
+        s, part_capacity=part_capacity(s.capacity, s.size, plan.nprocs, plan.rank, plan.delta),
+        status=jnp.int32(0), comm=plan.comm, delta=plan.delta,
+    )
+    return mine, Progress.start().after(0, status, sent, is_dense)
 
 
 def dsar_split_allgather(s: SparseStream, plan: Plan, key: jax.Array | None = None) -> tuple[SparseStream, Progress]:
     t, comm = plan.transport, plan.comm
-    part, progress = split_phase(s, plan)
+    mine, progress = dense_split_phase(s, plan)
     status = progress.status
-    mine = part.to_dense()
     if plan.quantize_bits is None:
-        values, status, sent = t.allgather_dense(mine, size=s.size, status=progress.status, comm=comm)
+        result, status, sent = t.allgather_dense(mine, size=s.size, status=progress.status, comm=comm)
     else:
         values, sent = _quantized_allgather(mine, s.size, plan, jax.random.fold_in(key, plan.rank))
-    result = SparseStream(jnp.arange(s.size, dtype=INDEX_DTYPE), values, jnp.int32(s.size), s.size)
+        result = dense_stream(values)
     return result, progress.after(1, status, sent, jnp.bool_(True))
 
 

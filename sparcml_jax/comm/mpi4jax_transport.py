@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from sparcml_jax.comm.topology import part_bounds, part_length
 from sparcml_jax.kernels.partition import partition_bounds
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold, resize
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
 
 NAME = "mpi4jax"
 _TAG_BASE = 0x5CB0
@@ -31,11 +31,6 @@ def _unpack(buf: jax.Array, capacity: int):
     idx = buf[_HEADER:_HEADER + capacity]
     val = jax.lax.bitcast_convert_type(buf[_HEADER + capacity:], VALUE_DTYPE)
     return idx, val, buf[0], buf[1]
-
-
-def _dense_stream(values: jax.Array) -> SparseStream:
-    n = values.shape[0]
-    return SparseStream(jnp.arange(n, dtype=INDEX_DTYPE), values, jnp.int32(n), n)
 
 
 def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capacity: int, status: jax.Array,
@@ -88,7 +83,7 @@ def _pack_compact(s: SparseStream, status, delta: float) -> jax.Array:
 def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> tuple[SparseStream, jax.Array]:
     half = n // 2
     nnz, body = buf[0], buf[_HEADER:]
-    dense = resize(_dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
+    dense = resize(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
     pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
                    capacity)
     got = jax.tree.map(lambda d, p: jnp.where(nnz == n, d, p), dense, pairs)
@@ -153,20 +148,31 @@ def allgather(part: SparseStream, *, size: int, out_capacity: int, status: jax.A
     if out_capacity >= size:
         dense = jnp.zeros((size,), VALUE_DTYPE).at[out_idx].set(out_val, mode="drop")
         go_dense = total >= dense_threshold(size, delta)
-        dense_stream = resize(_dense_stream(dense), out_capacity)
-        result = jax.tree.map(lambda d, s: jnp.where(go_dense, d, s), dense_stream, result)
+        as_dense = resize(dense_stream(dense), out_capacity)
+        result = jax.tree.map(lambda d, s: jnp.where(go_dense, d, s), as_dense, result)
     sent = jnp.float32(4 * buf.shape[0] * (parts - 1))
     return result, status, sent
 
 
+def reduce_scatter_dense(s: SparseStream, *, part_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float):
+    """:func:`reduce_scatter`, then the dense slice of the part (DSAR's split phase)."""
+    part, status, sent = reduce_scatter(s, part_capacity=part_capacity, status=status, comm=comm, delta=delta)
+    return part.to_dense(), part.is_dense, status, sent
+
+
 def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
-    """Concatenates every rank's dense slice of its range (the DSAR allgather phase)."""
+    """Concatenates every rank's dense slice of its range (the DSAR allgather phase): a dense stream."""
     parts = comm.Get_size()
     slot = max(part_length(size, parts, r) for r in range(parts))
     buf = jnp.concatenate([values, jnp.zeros((slot - values.shape[0],), VALUE_DTYPE)])
     gathered = mpi4jax.allgather(buf, comm=comm) if parts > 1 else buf[None]
     pieces = [gathered[r, : part_length(size, parts, r)] for r in range(parts)]
-    return jnp.concatenate(pieces), status, jnp.float32(4 * slot * (parts - 1))
+    return dense_stream(jnp.concatenate(pieces)), status, jnp.float32(4 * slot * (parts - 1))
+
+
+def allreduce_dense(s: SparseStream, *, comm: MPI.Comm) -> SparseStream:
+    """MPI_Allreduce of the densified stream (mpi4jax): the dense baseline, as a dense stream."""
+    return dense_stream(mpi4jax.allreduce(s.to_dense(), op=MPI.SUM, comm=comm))
 
 
 def gather_streams(s: SparseStream, *, status: jax.Array, comm: MPI.Comm):

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
 from sparcml_jax.comm.topology import part_length
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold
 
 NAME = "native"
 _TAG_BASE = 0x5CA0
@@ -56,6 +56,23 @@ _summary_p = ordered_ffi_primitive(
     lambda *avals, **_: [_ShapedArray((3,), INDEX_DTYPE)],
 )
 _check_p = ordered_ffi_primitive("sparcml_check", "sparcml_mpi_check", "SparcmlMpiCheck", lambda *avals, **_: [])
+_reduce_scatter_dense_p = ordered_ffi_primitive(
+    "sparcml_reduce_scatter_dense", "sparcml_mpi_reduce_scatter_dense", "SparcmlMpiReduceScatterDense",
+    lambda *avals, length, **_: [_ShapedArray((int(length),), VALUE_DTYPE), _ShapedArray((), INDEX_DTYPE),
+                                 _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE)],
+    shape_params=("length",),
+)
+_allgather_dense_p = ordered_ffi_primitive(
+    "sparcml_allgather_dense", "sparcml_mpi_allgather_dense", "SparcmlMpiAllgatherDense",
+    lambda *avals, size, **_: [_ShapedArray((int(size),), INDEX_DTYPE), _ShapedArray((int(size),), VALUE_DTYPE),
+                               _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE)],
+    shape_params=("size",),
+)
+_allreduce_dense_p = ordered_ffi_primitive(
+    "sparcml_allreduce_dense", "sparcml_mpi_allreduce_dense", "SparcmlMpiAllreduceDense",
+    lambda *avals, size, **_: [_ShapedArray((int(size),), INDEX_DTYPE), _ShapedArray((int(size),), VALUE_DTYPE)],
+    shape_params=("size",),
+)
 
 
 def _bind_stream(prim, s: SparseStream, status, size: int, **params):
@@ -123,12 +140,33 @@ def check(status: jax.Array, *, comm: MPI.Comm) -> None:
     _check_p.bind(jnp.asarray(status, INDEX_DTYPE), comm=i64(comm.py2f()))
 
 
-def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
-    """Concatenates every rank's dense slice of its range (the DSAR allgather phase).
+def reduce_scatter_dense(s: SparseStream, *, part_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float):
+    """Sums range r of every rank's stream on rank r, as the dense slice of that range (DSAR's split
+    phase). Returns (slice, whether SparCML's rule makes the sum dense, status, bytes sent).
 
-    The slices have static lengths, so nothing is gained from variable-length messages here:
-    this is mpi4jax's allgather of equal slots (the last range's remainder sets the slot size).
+    The segments travel as in :func:`reduce_scatter`; they are added straight into the dense
+    slice instead of merged into a sorted stream (``part_capacity`` is not needed).
     """
-    from sparcml_jax.comm import mpi4jax_transport
+    rank, parts = comm.Get_rank(), comm.Get_size()
+    length = part_length(s.size, parts, rank)
+    values, union, status, sent = _reduce_scatter_dense_p.bind(
+        s.indices, s.values, s.nnz, status, length=i64(length), comm=i64(comm.py2f()), tag=i64(_TAG_BASE + 64),
+        n=i64(s.size), delta=float(delta),
+    )
+    # Dense as the merged part would be: by SparCML's rule, or when it covers its range (also when empty).
+    return values, (union >= dense_threshold(length, delta)) | (union == length), status, sent
 
-    return mpi4jax_transport.allgather_dense(values, size=size, status=status, comm=comm)
+
+def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
+    """Concatenates every rank's dense slice of its range (the DSAR allgather phase) into a dense
+    stream: each slice is received in place in the result (MPI_Allgather, or MPI_Allgatherv when
+    N % P != 0), with no staging buffer."""
+    idx, val, status, sent = _allgather_dense_p.bind(values, status, size=i64(size), comm=i64(comm.py2f()))
+    return SparseStream(idx, val, jnp.int32(size), size), status, sent
+
+
+def allreduce_dense(s: SparseStream, *, comm: MPI.Comm) -> SparseStream:
+    """MPI_Allreduce of the stream as a dense vector, densified straight into the result: the dense
+    baseline, as a dense stream (the summary step has validated ``s``)."""
+    idx, val = _allreduce_dense_p.bind(s.indices, s.values, s.nnz, size=i64(s.size), comm=i64(comm.py2f()))
+    return SparseStream(idx, val, jnp.int32(s.size), s.size)
