@@ -71,9 +71,13 @@ def _median_ms(comm, fn, args, reps):
 
 def calibrate_steps(comm, a, target_ms: float) -> int:
     """Matmul steps whose time is about ``target_ms`` (the same on every rank)."""
-    probe = 8
-    ms = _median_ms(comm, jax.jit(_compute_fn(probe)), (a,), 5)
-    return max(1, round(probe * target_ms / max(ms, 1e-3)))
+    steps = 8
+    for _ in range(3):  # the cost per step is not quite constant (caches, thread start-up): refine
+        fn = jax.jit(_compute_fn(steps))
+        jax.block_until_ready(fn(a))
+        ms = _median_ms(comm, fn, (a,), 7)
+        steps = max(1, round(steps * target_ms / max(ms, 1e-3)))
+    return steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--json", help="write the results to this JSON file (rank 0)")
     p.add_argument("--network", default="shm", help="label of the network in the output")
+    p.add_argument("--compute-steps", type=int, help="matmul steps of the computation (default: calibrated to "
+                                                        "the reduction's time)")
     p.add_argument("--quick", action="store_true", help="N = 2^18 and 3 repetitions (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     a = jnp.ones((MATRIX, MATRIX), jnp.float32)
     reduce_only = jax.jit(lambda s: sparse_allreduce_wait(sparse_allreduce_start(s, algorithm=args.algorithm)))
     reduce_only(stream)
-    steps = calibrate_steps(comm, a, _median_ms(comm, reduce_only, (stream,), 7))
+    steps = args.compute_steps or calibrate_steps(comm, a, _median_ms(comm, reduce_only, (stream,), 7))
     progs = programs(args.algorithm, steps)
     for fn in progs.values():
         jax.block_until_ready(fn(stream, a))
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         print_table(["program", "median", "min", "max"],
                     [[name, fmt_time(med[name]), fmt_time(min(v)), fmt_time(max(v))] for name, v in samples.items()])
         print(f"hidden fraction of the reduction: {hidden:.2f} with wait(after=...), {hidden_unpinned:.2f} without; "
-              f"overlapped / sequential = {med['overlapped'] / med['sequential']:.2f}")
+              f"overlapped / sequential = {med['overlapped'] / med['sequential']:.2f}; "
+              f"compute / reduce = {med['compute'] / med['reduce']:.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(nprocs=nprocs, size=args.size, density=args.density, algorithm=args.algorithm,
