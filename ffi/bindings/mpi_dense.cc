@@ -41,12 +41,6 @@ void AdviseHugePages(Buffer& b) {
   AdviseHugePages(b->untyped_data(), b->size_bytes());
 }
 
-Status FromPeer(Status local, const Segment& s) {
-  if (local != sparcml::kOk || s.header.status == sparcml::kOk) return local;
-  sparcml::LastError() = "a peer rank failed earlier in this collective";
-  return sparcml::kPeerFailed;
-}
-
 ffi::Error ReduceScatterDenseImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
                                   ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::F32> slice,
                                   ffi::ResultBufferR0<ffi::S32> union_count, ffi::ResultBufferR0<ffi::S32> status_out,
@@ -57,34 +51,11 @@ ffi::Error ReduceScatterDenseImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F3
   MPI_Comm_size(comm, &parts);
   MPI_Comm_rank(comm, &me);
   Status status = static_cast<Status>(status_in.typed_data()[0]);
-  const int32_t* in_idx = idx.typed_data();
-  const float* in_val = val.typed_data();
-  int64_t count = nnz.typed_data()[0];
-  bool in_dense = count == n;
-
-  // Send: range r of this rank's stream to rank r, as pairs or as a dense slice (SparCML's rule).
-  std::vector<sparcml::Bytes> messages(parts);
-  std::vector<MPI_Request> requests;
-  double sent = 0;
-  for (int r = 0; r < parts; ++r) {
-    int64_t lo = sparcml_part_start(n, parts, r), hi = sparcml_part_start(n, parts, r + 1);
-    int64_t begin = in_dense ? lo : std::lower_bound(in_idx, in_idx + count, lo) - in_idx;
-    int64_t end = in_dense ? hi : std::lower_bound(in_idx, in_idx + count, hi) - in_idx;
-    messages[r] = sparcml::PackSegment(in_idx, in_val, begin, end, lo, hi - lo, in_dense, status, delta);
-    if (r == me) continue;
-    requests.emplace_back();
-    MPI_Isend(messages[r].data(), static_cast<int>(messages[r].size()), MPI_BYTE, r, static_cast<int>(tag), comm,
-              &requests.back());
-    sent += messages[r].size() - sizeof(Header);
-  }
-  std::vector<sparcml::Bytes> received(parts);
-  for (int i = 0; i < parts - 1; ++i) {
-    int source = 0;
-    sparcml::Bytes buffer = sparcml::ReceiveAny(comm, MPI_ANY_SOURCE, static_cast<int>(tag), &source);
-    received[source] = std::move(buffer);
-  }
-  received[me] = std::move(messages[me]);
-  MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  // Range r of this rank's stream goes to rank r, as pairs or as a dense slice (SparCML's rule).
+  sparcml::RangeMessages posted = sparcml::PostRanges(comm, static_cast<int>(tag), idx.typed_data(), val.typed_data(),
+                                                      nnz.typed_data()[0], n, status, delta);
+  std::vector<sparcml::Bytes> received = sparcml::ReceiveRanges(comm, static_cast<int>(tag), &posted);
+  double sent = posted.sent;
 
   // Sum: every segment added into the dense range, in rank order (the order of the sorted merges).
   int64_t length = static_cast<int64_t>(slice->element_count());
@@ -95,7 +66,7 @@ ffi::Error ReduceScatterDenseImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F3
   int64_t covered = 0;
   for (int r = 0; r < parts && status == sparcml::kOk; ++r) {
     Segment s = sparcml::UnpackSegment(received[r]);
-    status = FromPeer(status, s);
+    status = sparcml::Incoming(status, s);
     if (status != sparcml::kOk) break;
     if (s.header.dense) {
       for (int64_t i = 0; i < length; ++i) out[i] += s.val[i];

@@ -202,27 +202,17 @@ struct Schedule {
   // The split phase: range r of every stream goes to rank r, which sums them in rank order.
   Stream ReduceScatter(const Stream& s) {
     int tag0 = tag + 30;
-    std::vector<Bytes> messages(nprocs);
-    std::vector<MPI_Request> requests;
-    for (int r = 0; r < nprocs; ++r) {
-      int64_t lo = sparcml_part_start(s.n, nprocs, r), hi = sparcml_part_start(s.n, nprocs, r + 1);
-      const int32_t* first = s.idx.data();
-      int64_t begin = s.dense() ? lo : std::lower_bound(first, first + s.nnz, lo) - first;
-      int64_t end = s.dense() ? hi : std::lower_bound(first, first + s.nnz, hi) - first;
-      messages[r] = sparcml::PackSegment(first, s.val.data(), begin, end, lo, hi - lo, s.dense(), status, delta);
-      if (r == rank) continue;
-      requests.emplace_back();
-      MPI_Isend(messages[r].data(), static_cast<int>(messages[r].size()), MPI_BYTE, r, tag0, comm, &requests.back());
-      sent += messages[r].size() - sizeof(Header);
-    }
+    sparcml::RangeMessages posted = sparcml::PostRanges(comm, tag0, s.idx.data(), s.val.data(), s.nnz, s.n, status,
+                                                        delta);
+    sent += posted.sent;
     std::vector<Bytes> received(nprocs);
     for (int i = 0; i < nprocs - 1; ++i) {
       int source = 0;
       Bytes buffer = Receive(comm, MPI_ANY_SOURCE, tag0, &source);
       received[source] = std::move(buffer);
     }
-    received[rank] = std::move(messages[rank]);
-    Await(requests.data(), static_cast<int>(requests.size()));
+    received[rank] = std::move(posted.messages[rank]);
+    Await(posted.requests.data(), static_cast<int>(posted.requests.size()));
 
     Stream sum;
     sum.n = sparcml_part_start(s.n, nprocs, rank + 1) - sparcml_part_start(s.n, nprocs, rank);

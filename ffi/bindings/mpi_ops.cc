@@ -45,15 +45,6 @@ void StoreSegment(const Segment& s, int64_t length, int32_t* idx, float* val, in
   *nnz = static_cast<int32_t>(count);
 }
 
-Status Incoming(Status local, const Segment& s) {
-  if (local != sparcml::kOk) return local;
-  if (s.header.status != sparcml::kOk) {
-    sparcml::LastError() = "a peer rank failed earlier in this collective";
-    return sparcml::kPeerFailed;
-  }
-  return sparcml::kOk;
-}
-
 // --- exchange: the step of SSAR recursive doubling, and the fold / unfold of non-powers of two.
 ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
                         ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> ridx,
@@ -73,7 +64,7 @@ ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ff
   MPI_Wait(&request, MPI_STATUS_IGNORE);
 
   Segment s = sparcml::UnpackSegment(received);
-  status = Incoming(status, s);
+  status = sparcml::Incoming(status, s);
   if (status != sparcml::kOk) s.header.count = 0;
   StoreSegment(s, n, ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(ridx->element_count()),
                rnnz->typed_data(), &status);
@@ -94,34 +85,10 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   MPI_Comm_size(comm, &parts);
   MPI_Comm_rank(comm, &me);
   Status status = static_cast<Status>(status_in.typed_data()[0]);
-  const int32_t* in_idx = idx.typed_data();
-  const float* in_val = val.typed_data();
-  int64_t count = nnz.typed_data()[0];
-  bool in_dense = count == n;
-
-  std::vector<sparcml::Bytes> messages(parts);
-  std::vector<MPI_Request> requests;
-  double sent = 0;
-  for (int r = 0; r < parts; ++r) {
-    Range range = PartOf(n, parts, r);
-    int64_t begin = in_dense ? range.lo : std::lower_bound(in_idx, in_idx + count, range.lo) - in_idx;
-    int64_t end = in_dense ? range.hi : std::lower_bound(in_idx, in_idx + count, range.hi) - in_idx;
-    messages[r] = sparcml::PackSegment(in_idx, in_val, begin, end, range.lo, range.hi - range.lo, in_dense, status,
-                                       delta);
-    if (r == me) continue;
-    requests.emplace_back();
-    MPI_Isend(messages[r].data(), static_cast<int>(messages[r].size()), MPI_BYTE, r, static_cast<int>(tag), comm,
-              &requests.back());
-    sent += messages[r].size() - sizeof(Header);
-  }
-  std::vector<sparcml::Bytes> received(parts);
-  for (int i = 0; i < parts - 1; ++i) {
-    int source = 0;
-    sparcml::Bytes buffer = sparcml::ReceiveAny(comm, MPI_ANY_SOURCE, static_cast<int>(tag), &source);
-    received[source] = std::move(buffer);
-  }
-  received[me] = std::move(messages[me]);
-  MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+  sparcml::RangeMessages posted = sparcml::PostRanges(comm, static_cast<int>(tag), idx.typed_data(), val.typed_data(),
+                                                      nnz.typed_data()[0], n, status, delta);
+  std::vector<sparcml::Bytes> received = sparcml::ReceiveRanges(comm, static_cast<int>(tag), &posted);
+  double sent = posted.sent;
 
   Range mine = PartOf(n, parts, me);
   int64_t length = mine.hi - mine.lo, threshold = DenseThreshold(length, delta), total = 0;
@@ -134,7 +101,7 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   char err[SPARCML_ERRLEN] = {0};
   for (int r = 0; r < parts; ++r) {
     Segment s = sparcml::UnpackSegment(received[r]);
-    status = Incoming(status, s);
+    status = sparcml::Incoming(status, s);
     if (status != sparcml::kOk) break;
     int64_t merged = 0;
     // A dense segment has nnz == length; merge never reads its indices.
@@ -185,7 +152,7 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   int64_t total = 0;
   for (int r = 0; r < parts; ++r) {
     segments[r] = sparcml::UnpackSegment(all.data() + displs[r], static_cast<size_t>(displs[r + 1] - displs[r]));
-    status = Incoming(status, segments[r]);
+    status = sparcml::Incoming(status, segments[r]);
     total += segments[r].header.count;
   }
   int32_t* out_idx = oidx->typed_data();
@@ -247,7 +214,7 @@ ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
   for (int r = 0; r < parts; ++r) {
     Segment s = sparcml::UnpackSegment(all.data() + displs[r], static_cast<size_t>(displs[r + 1] - displs[r]));
-    status = Incoming(status, s);
+    status = sparcml::Incoming(status, s);
     if (status != sparcml::kOk) s.header.count = 0;
     StoreSegment(s, n, oidx->typed_data() + r * cap, oval->typed_data() + r * cap, cap, onnz->typed_data() + r,
                  &status);

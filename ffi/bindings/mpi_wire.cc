@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "partition.h"
+
 namespace sparcml {
 
 std::string& LastError() {
@@ -85,6 +87,12 @@ std::string RenderField(const std::string& name, int64_t value) {
   return std::to_string(value);
 }
 
+Status Incoming(Status local, const Segment& s) {
+  if (local != kOk || s.header.status == kOk) return local;
+  LastError() = "a peer rank failed earlier in this collective";
+  return kPeerFailed;
+}
+
 Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {
   MPI_Message message;
   MPI_Status st;
@@ -95,6 +103,43 @@ Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {
   MPI_Mrecv(buffer.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
   if (actual_source) *actual_source = st.MPI_SOURCE;
   return buffer;
+}
+
+RangeMessages PostRanges(MPI_Comm comm, int tag, const int32_t* idx, const float* val, int64_t count, int64_t n,
+                         int32_t status, double delta) {
+  int parts, me;
+  MPI_Comm_size(comm, &parts);
+  MPI_Comm_rank(comm, &me);
+  bool dense = count == n;
+  RangeMessages out;
+  out.messages.resize(parts);
+  for (int r = 0; r < parts; ++r) {
+    int64_t lo = sparcml_part_start(n, parts, r), hi = sparcml_part_start(n, parts, r + 1);
+    int64_t begin = dense ? lo : std::lower_bound(idx, idx + count, lo) - idx;
+    int64_t end = dense ? hi : std::lower_bound(idx, idx + count, hi) - idx;
+    out.messages[r] = PackSegment(idx, val, begin, end, lo, hi - lo, dense, status, delta);
+    if (r == me) continue;
+    out.requests.emplace_back();
+    MPI_Isend(out.messages[r].data(), static_cast<int>(out.messages[r].size()), MPI_BYTE, r, tag, comm,
+              &out.requests.back());
+    out.sent += out.messages[r].size() - sizeof(Header);
+  }
+  return out;
+}
+
+std::vector<Bytes> ReceiveRanges(MPI_Comm comm, int tag, RangeMessages* posted) {
+  int parts, me;
+  MPI_Comm_size(comm, &parts);
+  MPI_Comm_rank(comm, &me);
+  std::vector<Bytes> received(parts);
+  for (int i = 0; i < parts - 1; ++i) {
+    int source = 0;
+    Bytes buffer = ReceiveAny(comm, MPI_ANY_SOURCE, tag, &source);
+    received[source] = std::move(buffer);
+  }
+  received[me] = std::move(posted->messages[me]);
+  MPI_Waitall(static_cast<int>(posted->requests.size()), posted->requests.data(), MPI_STATUSES_IGNORE);
+  return received;
 }
 
 }  // namespace sparcml

@@ -67,6 +67,8 @@ struct Segment {
   const float* val = nullptr;
 };
 Segment UnpackSegment(const char* data, size_t size);
+// This rank's status after receiving `s`: a peer's error header turns it into kPeerFailed.
+Status Incoming(Status local, const Segment& s);
 inline Segment UnpackSegment(const Bytes& buffer) { return UnpackSegment(buffer.data(), buffer.size()); }
 
 // Signatures that ranks compare travel as int64 fields named by a comma-separated list;
@@ -76,5 +78,18 @@ std::string RenderField(const std::string& name, int64_t value);
 
 // Receives one message of unknown size from `source` (MPI_PROC_NULL yields an empty segment).
 Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source);
+
+// The split phase of SSAR/DSAR_Split_allgather: message r holds range r of the stream, re-based
+// to the range, as pairs or as a dense slice (SparCML's rule); it is sent to rank r.
+struct RangeMessages {
+  std::vector<Bytes> messages;       // messages[me] stays here: this rank's own range
+  std::vector<MPI_Request> requests;  // the posted sends
+  double sent = 0;                    // payload bytes sent (headers excluded)
+};
+RangeMessages PostRanges(MPI_Comm comm, int tag, const int32_t* idx, const float* val, int64_t count, int64_t n,
+                         int32_t status, double delta);
+
+// Every rank's message for this rank's range, in rank order (own one included); completes the sends.
+std::vector<Bytes> ReceiveRanges(MPI_Comm comm, int tag, RangeMessages* posted);
 
 }  // namespace sparcml
