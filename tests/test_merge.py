@@ -98,3 +98,109 @@ def test_mismatched_sizes_raise():
     rng = np.random.default_rng(5)
     with pytest.raises(ValueError, match="different sizes"):
         merge(random_stream(rng, 10, 2), random_stream(rng, 11, 2))
+
+
+# ------------------------------------------------ long streams: the vectorized merge (AVX-512)
+# It merges tiles of 2048 pairs cut into 4 interleaved pieces, and emits an index present in both
+# inputs once: these cases put such twins at every kind of boundary, and compare bit for bit.
+
+
+def stream_of(idx, val, size, capacity=None):
+    capacity = len(idx) if capacity is None else capacity
+    pad = capacity - len(idx)
+    return SparseStream(
+        jnp.asarray(np.concatenate([idx, np.full(pad, size, np.int32)]).astype(np.int32)),
+        jnp.asarray(np.concatenate([val, np.zeros(pad, np.float32)]).astype(np.float32)),
+        jnp.int32(len(idx)),
+        size,
+    )
+
+
+def float_values(rng, idx, other_idx):
+    """Finite float32 bit patterns of every magnitude with signed zeros. XLA:CPU flushes subnormal
+    operands and results of a sum to zero, so subnormals go only where the other input lacks the
+    index, and summands are 0 or at least 2**-100 (their sum is then 0 or normal)."""
+    n, twin = len(idx), np.isin(idx, other_idx)
+    bits = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    bits[bits & 0x7F800000 == 0x7F800000] &= 0xBFFFFFFF  # no inf / NaN
+    bits[(rng.random(n) < 0.05) & ~twin] &= 0x800000FF  # subnormals
+    bits[((bits >> 23) & 0xFF < 27) & twin] &= 0x80000000  # tiny summands: +-0
+    bits[rng.random(n) < 0.05] &= 0x80000000  # +-0
+    return bits.view(np.float32)
+
+
+def union_oracle(a_idx, a_val, b_idx, b_val):
+    """The sorted union, a + b (float32, a first) where both have the index."""
+    idx = np.union1d(a_idx, b_idx).astype(np.int32)
+    val = np.zeros(len(idx), np.float32)
+    ia, ib = np.searchsorted(idx, a_idx), np.searchsorted(idx, b_idx)
+    val[ia] = a_val
+    twin = np.isin(b_idx, a_idx)
+    val[ib[~twin]] = b_val[~twin]
+    with np.errstate(over="ignore"):  # a sum may round to +-inf, as in C
+        val[ib[twin]] = val[ib[twin]] + b_val[twin]
+    return idx, val
+
+
+def supports(kind, rng):
+    size = 1 << 20
+    pick = lambda n: np.sort(rng.choice(size, n, replace=False)).astype(np.int32)
+    if kind == "random":
+        return size, pick(60_000), pick(60_000)
+    if kind == "overlapping":  # b: half of a's indices and as many others
+        a = pick(50_000)
+        return size, a, np.union1d(a[rng.random(len(a)) < 0.5], pick(25_000)).astype(np.int32)
+    if kind == "identical":
+        a = pick(40_000)
+        return size, a, a.copy()
+    if kind == "interleaved":  # strict alternation, no twins
+        return size, np.arange(0, 80_000, 2, dtype=np.int32), np.arange(1, 80_000, 2, dtype=np.int32)
+    if kind == "a_below_b":
+        return size, np.arange(30_000, dtype=np.int32), np.arange(30_000, 60_000, dtype=np.int32)
+    if kind == "tiny_a":
+        return size, pick(3), pick(70_000)
+    if kind == "tiny_b":
+        return size, pick(70_000), pick(1)
+    if kind == "empty_a":
+        return size, np.zeros(0, np.int32), pick(50_000)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["random", "overlapping", "identical", "interleaved", "a_below_b", "tiny_a",
+                                  "tiny_b", "empty_a"])
+def test_long_merge_is_exact(kind):
+    rng = np.random.default_rng([ord(c) for c in kind])
+    size, a_idx, b_idx = supports(kind, rng)
+    a_val, b_val = float_values(rng, a_idx, b_idx), float_values(rng, b_idx, a_idx)
+    idx, val = union_oracle(a_idx, a_val, b_idx, b_val)
+    for capacity in (None, len(idx)):  # default (room for both) and exactly the union
+        out = merge(stream_of(a_idx, a_val, size), stream_of(b_idx, b_val, size), capacity=capacity)
+        n = int(out.nnz)
+        assert n == len(idx)
+        np.testing.assert_array_equal(np.asarray(out.indices)[:n], idx)
+        np.testing.assert_array_equal(np.asarray(out.values)[:n].view(np.uint32), val.view(np.uint32))
+        assert (np.asarray(out.indices)[n:] == size).all() and (np.asarray(out.values)[n:] == 0).all()
+
+
+def test_long_merge_overflow_raises():
+    rng = np.random.default_rng(6)
+    size, a_idx, b_idx = supports("overlapping", rng)
+    union = len(np.union1d(a_idx, b_idx))
+    a, b = stream_of(a_idx, float_values(rng, a_idx, b_idx), size), stream_of(b_idx, float_values(rng, b_idx, a_idx), size)
+    with pytest.raises(ERRORS, match=f"exceeds out_capacity={union - 1}"):
+        merge(a, b, capacity=union - 1).nnz.block_until_ready()
+
+
+@pytest.mark.parametrize("which,corrupt,match", [
+    ("a", lambda x: x.__setitem__(40_000, x[39_999]), "a: .*strictly increasing.*position 40000"),
+    ("b", lambda x: x.__setitem__(33_333, x[33_332] - 1), "b: .*strictly increasing.*position 33333"),
+    ("b", lambda x: x.__setitem__(slice(2047, 2049), x[2047:2049][::-1]), "b: .*strictly increasing.*position 2048"),
+    ("a", lambda x: x.__setitem__(-1, 1 << 20), r"a: indices must lie in \[0, n=1048576\)"),
+])
+def test_long_bad_stream_raises_like_the_checks(which, corrupt, match):
+    rng = np.random.default_rng(7)
+    size, a_idx, b_idx = supports("random", rng)
+    corrupt(a_idx if which == "a" else b_idx)
+    a, b = stream_of(a_idx, float_values(rng, a_idx, b_idx), size), stream_of(b_idx, float_values(rng, b_idx, a_idx), size)
+    with pytest.raises(ERRORS, match=match):
+        merge(a, b).nnz.block_until_ready()
