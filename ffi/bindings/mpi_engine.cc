@@ -10,6 +10,8 @@
 //    program order: each engine runs the same sequence of collectives, like blocking calls.
 //  * A rank blocked in wait(j) needs only its peers to have *started* jobs <= j. They did so
 //    before any later op in program order, including any op the blocked rank's peers wait on.
+#include <sys/prctl.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -493,6 +495,7 @@ class Engine {
   };
 
   void Loop() {
+    prctl(PR_SET_TIMERSLACK, 1UL);  // naps of kNap, not kNap + the default 50 us of timer slack
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
