@@ -158,13 +158,13 @@ def _choice_table(plan: Plan, s: SparseStream, algorithm: str, model: CostModel)
     largest nnz over ranks. ``"auto"`` prices every candidate at powers of two up to the capacity."""
     if algorithm != "auto":
         return (s.capacity,), (ALGORITHMS.index(algorithm),)
-    from sparcml_jax.collectives import _candidates, _predict
+    from sparcml_jax.collectives import _candidates, _price
 
     grid = sorted({0, s.capacity} | {1 << i for i in range(s.capacity.bit_length()) if 1 << i < s.capacity})
     bounds: list[int] = []
     choices: list[int] = []
     for g in grid:
-        costs = {name: float(_predict(model, plan, s, name, g, np)) for name in _candidates(plan)}
+        costs = {name: float(_price(model, plan, s, name, g, np)) for name in _candidates(plan)}
         best = ALGORITHMS.index(min(costs, key=costs.get))
         if choices and choices[-1] == best:
             bounds[-1] = g
