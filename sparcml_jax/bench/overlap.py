@@ -22,7 +22,6 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from mpi4py import MPI
 
 from sparcml_jax.bench._timing import fmt_time, print_table
 from sparcml_jax.bench.allreduce import _timed, make_stream
