@@ -106,8 +106,13 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
                 stats[name] = first[1]
         samples = {name: [] for name in cases}
-        for _ in range(reps):  # interleaved, so that noise hits every case alike
-            for name, (fn, args) in cases.items():
+        for rep in range(reps):  # interleaved, so that noise hits every case alike
+            # A new order every repetition (the same on every rank): a case must not always follow
+            # the one that leaves the most memory to give back (DSAR, the dense baselines).
+            order = list(cases)
+            np.random.default_rng(rep).shuffle(order)
+            for name in order:
+                fn, args = cases[name]
                 samples[name] += _timed(comm, lambda: fn(*args), 1)
         dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
         for name, times in samples.items():
