@@ -12,6 +12,7 @@ import ctypes
 import functools
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -90,5 +91,6 @@ def _shutdown() -> None:
     if not lib.SparcmlEngineShutdown(timeout):
         print(f"sparcml_jax: a non-blocking allreduce was still in flight at exit and its peers did not complete "
               f"it within {timeout:g} s ({EXIT_TIMEOUT_ENV}); aborting the MPI job", file=sys.stderr, flush=True)
+        time.sleep(0.5)  # lets mpiexec forward the message before the abort takes the job down
         MPI.COMM_WORLD.Abort(1)
 
