@@ -398,19 +398,13 @@ int64_t Agree(Job* job, int rank, int nprocs) {
   MPI_Request request;
   MPI_Iallgather(mine.data(), fields, MPI_INT64_T, all.data(), fields, MPI_INT64_T, job->comm, &request);
   Await(&request, 1);
-  for (int f = 0; f < fields - 2; ++f) {
-    bool same = true;
-    for (int r = 1; r < nprocs; ++r) same = same && all[r * fields + f] == all[f];
-    if (same) continue;
-    std::string name = f < static_cast<int>(job->field_names.size()) ? job->field_names[f] : std::to_string(f);
-    std::string listing;
-    for (int r = 0; r < nprocs && r < 8; ++r)
-      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + sparcml::RenderField(name, all[r * fields + f]);
-    if (name == "argument error") {
-      job->error = "another rank rejected its arguments to sparse_allreduce_start (see its error); " + listing;
-      return -1;
-    }
-    job->error = "ranks disagree on " + name + " (" + listing + "); every rank must pass the same " + name +
+  sparcml::Disagreement d = sparcml::FirstDisagreement(all.data(), fields, fields - 2, nprocs, job->field_names);
+  if (d.field == "argument error") {
+    job->error = "another rank rejected its arguments to sparse_allreduce_start (see its error); " + d.listing;
+    return -1;
+  }
+  if (!d.field.empty()) {
+    job->error = "ranks disagree on " + d.field + " (" + d.listing + "); every rank must pass the same " + d.field +
                  " to sparse_allreduce_start";
     return -1;
   }

@@ -244,21 +244,15 @@ ffi::Error SummaryImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, f
   mine.push_back(bad);
   mine.push_back(bad ? 0 : count);
   MPI_Allgather(mine.data(), row, MPI_INT64_T, all.data(), row, MPI_INT64_T, comm);
-  std::vector<std::string> names = sparcml::SplitFieldNames(field_names);
-  for (int f = 0; f < fields; ++f) {
-    bool same = true;
-    for (int r = 1; r < parts; ++r) same = same && all[r * row + f] == all[f];
-    if (same) continue;
-    std::string name = f < static_cast<int>(names.size()) ? names[f] : std::to_string(f);
-    std::string listing;
-    for (int r = 0; r < parts && r < 8; ++r)
-      listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + sparcml::RenderField(name, all[r * row + f]);
-    if (name == "argument error") {
-      return ffi::Error::InvalidArgument("rank " + std::to_string(rank) +
-                                         ": another rank rejected its arguments (see its error); " + listing);
-    }
-    return ffi::Error::InvalidArgument("ranks disagree on " + name + " (" + listing + "); every rank must pass the same " +
-                                       name);
+  sparcml::Disagreement d =
+      sparcml::FirstDisagreement(all.data(), row, fields, parts, sparcml::SplitFieldNames(field_names));
+  if (d.field == "argument error") {
+    return ffi::Error::InvalidArgument("rank " + std::to_string(rank) +
+                                       ": another rank rejected its arguments (see its error); " + d.listing);
+  }
+  if (!d.field.empty()) {
+    return ffi::Error::InvalidArgument("ranks disagree on " + d.field + " (" + d.listing +
+                                       "); every rank must pass the same " + d.field);
   }
 
   int64_t any_bad = 0, max_nnz = 0, min_nnz = INT64_MAX, sum_nnz = 0;

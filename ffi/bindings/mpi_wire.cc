@@ -87,6 +87,21 @@ std::string RenderField(const std::string& name, int64_t value) {
   return std::to_string(value);
 }
 
+Disagreement FirstDisagreement(const int64_t* all, int row, int fields, int parts,
+                               const std::vector<std::string>& names) {
+  for (int f = 0; f < fields; ++f) {
+    bool same = true;
+    for (int r = 1; r < parts; ++r) same = same && all[r * row + f] == all[f];
+    if (same) continue;
+    Disagreement d;
+    d.field = f < static_cast<int>(names.size()) ? names[f] : std::to_string(f);
+    for (int r = 0; r < parts && r < 8; ++r)
+      d.listing += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + RenderField(d.field, all[r * row + f]);
+    return d;
+  }
+  return {};
+}
+
 Status Incoming(Status local, const Segment& s) {
   if (local != kOk || s.header.status == kOk) return local;
   LastError() = "a peer rank failed earlier in this collective";

@@ -76,6 +76,15 @@ inline Segment UnpackSegment(const Bytes& buffer) { return UnpackSegment(buffer.
 std::vector<std::string> SplitFieldNames(std::string_view names);
 std::string RenderField(const std::string& name, int64_t value);
 
+// The first of the leading `fields` values of every rank's row (rank r's row starts at
+// all + r * row) on which the ranks disagree, with every rank's value listed (the first 8);
+// an empty `field` means that they all agree.
+struct Disagreement {
+  std::string field, listing;
+};
+Disagreement FirstDisagreement(const int64_t* all, int row, int fields, int parts,
+                               const std::vector<std::string>& names);
+
 // Receives one message of unknown size from `source` (MPI_PROC_NULL yields an empty segment).
 Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source);
 
