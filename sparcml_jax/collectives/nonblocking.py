@@ -28,6 +28,7 @@ Why it cannot deadlock, and why nothing interleaves unsafely:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -39,7 +40,7 @@ from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.comm import engine, native, resolve_comm
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.qsgd import _key_words
-from sparcml_jax.stream import SparseStream
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 
 # Compile options for programs that overlap reductions with the backward pass (allreduce_gradients
@@ -113,8 +114,7 @@ def sparse_allreduce_start(
         plan = Plan(comm, native, float(delta), quantize_bits, int(bucket_size), quantize_scale)
     except (TypeError, ValueError) as e:
         _reject_everywhere(comm, e)
-    bounds, choices = _choice_table(plan, stream, algorithm, model)
-    capacity = max(_result_capacity(ALGORITHMS[c], stream, plan) for c in choices)
+    bounds, choices, capacity = _schedule(plan, stream.size, stream.capacity, algorithm, model)
     sig = signature("allreduce", size=stream.size, capacity=stream.capacity,
                     algorithm=(*ALGORITHMS, "auto").index(algorithm), delta=plan.delta,
                     quantize_bits=plan.quantize_bits, bucket_size=plan.bucket_size, quantize_scale=plan.quantize_scale,
@@ -151,6 +151,16 @@ def sparse_allreduce_wait(handle: AllreduceHandle, *, after=None, return_stats: 
         raise
     stats = AllreduceStats(algorithm, sent, result.nnz, dense_round)
     return (result, stats) if return_stats else result
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(plan: Plan, size: int, capacity: int, algorithm: str, model: CostModel):
+    """What a start needs beyond its stream, fixed per static signature (so an eager start every
+    step does not re-price and re-trace): the choice table and the result's capacity."""
+    shape = SparseStream(jax.ShapeDtypeStruct((capacity,), INDEX_DTYPE), jax.ShapeDtypeStruct((capacity,), VALUE_DTYPE),
+                         jax.ShapeDtypeStruct((), INDEX_DTYPE), size)
+    bounds, choices = _choice_table(plan, shape, algorithm, model)
+    return bounds, choices, max(_result_capacity(ALGORITHMS[c], shape, plan) for c in choices)
 
 
 def _choice_table(plan: Plan, s: SparseStream, algorithm: str, model: CostModel):
