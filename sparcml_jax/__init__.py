@@ -21,6 +21,8 @@ from sparcml_jax.collectives.nonblocking import (
 )
 from sparcml_jax.kernels.merge import merge, merge_capacity, merge_reference
 from sparcml_jax.kernels.partition import (
+    coalesce,
+    coalesce_reference,
     from_dense,
     from_dense_reference,
     gather,
@@ -60,6 +62,8 @@ __all__ = [
     "QuantizedVector",
     "SparseStream",
     "allreduce_gradients",
+    "coalesce",
+    "coalesce_reference",
     "dense_allreduce",
     "dense_allreduce_gradients",
     "dense_threshold",

@@ -1,4 +1,4 @@
-"""from_dense, scatter_add, partition_bounds, split and gather: C kernels vs jnp references vs numpy."""
+"""from_dense, coalesce, scatter_add, partition_bounds, split and gather: C kernels vs jnp references vs numpy."""
 
 import doctest
 import functools
@@ -7,11 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sparcml_jax
 from sparcml_jax import SparseStream, dense_threshold
 from sparcml_jax.kernels import partition
 from sparcml_jax.kernels.partition import (
+    coalesce,
+    coalesce_reference,
     from_dense,
     from_dense_reference,
     gather,
@@ -192,6 +196,126 @@ def test_from_dense_overflow_raises_at_run_time():
     ],
 )
 def test_from_dense_static_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ coalesce
+
+
+def np_coalesce(idx, val, size, capacity=None, delta=1.0):
+    """(indices, values, nnz) of the expected stream, or None when it must raise."""
+    idx, val = np.asarray(idx).ravel(), np.asarray(val, np.float32).ravel()
+    capacity = idx.size if capacity is None else capacity
+    kept = idx < size
+    dense = np.zeros(size, np.float32)
+    np.add.at(dense, idx[kept], val[kept])
+    support = np.unique(idx[kept])
+    if capacity >= size and support.size >= dense_threshold(size, delta):
+        support, nnz = np.arange(size), size
+    elif support.size > capacity:
+        return None
+    else:
+        nnz = support.size
+    out_idx = np.concatenate([support, np.full(capacity - nnz, size)]).astype(np.int32)
+    out_val = np.concatenate([dense[support], np.zeros(capacity - nnz)]).astype(np.float32)
+    return out_idx, out_val, nnz
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(0, 40),
+    pairs=st.integers(0, 60),
+    capacity_extra=st.one_of(st.none(), st.integers(0, 50)),
+    delta=st.sampled_from([0.5, 1.0, 3.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_coalesce_matches_numpy_and_reference(size, pairs, capacity_extra, delta, seed):
+    """Integer-valued pairs (exact sums in any order), repeats and padding (index == size)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, size + 1, pairs).astype(np.int32)
+    val = rng.integers(-9, 10, pairs).astype(np.float32)
+    distinct = np.unique(idx[idx < size]).size
+    capacity = None if capacity_extra is None else distinct + capacity_extra
+    expected = np_coalesce(idx, val, size, capacity, delta)
+    fn = jax.jit(functools.partial(coalesce, size=size, capacity=capacity, delta=delta))
+    assert_stream_equals(fn(idx, val), *expected)
+    assert_same_stream(fn(idx, val), coalesce_reference(jnp.asarray(idx), jnp.asarray(val), size, capacity, delta))
+
+
+@pytest.mark.parametrize("size", [1, 1000, 2**11, 2**11 + 1, 2**22 + 3, 2**31 - 1])
+def test_coalesce_sorts_every_digit(size):
+    """Indices spanning one, two and three radix digits, including the largest int32 index."""
+    rng = np.random.default_rng(size % 1000)
+    idx = np.concatenate([rng.integers(0, size, 300), [size - 1, 0, size - 1]]).astype(np.int32)
+    val = rng.integers(-5, 6, idx.size).astype(np.float32)
+    out = coalesce(idx, val, size=size)
+    support = np.unique(idx)
+    np.testing.assert_array_equal(np.asarray(out.indices)[: int(out.nnz)], support)
+    sums = np.zeros(support.size, np.float32)
+    np.add.at(sums, np.searchsorted(support, idx), val)
+    np.testing.assert_array_equal(np.asarray(out.values)[: int(out.nnz)], sums)
+
+
+def test_coalesce_is_the_gradient_of_a_lookup():
+    """coalesce(ids, grad w.r.t. w[ids]) equals jax.grad through the lookup, padding ids included."""
+    size = 50
+    ids = np.array([[3, 7, 50], [7, 7, 1]], np.int32)  # 50 == size: padding, as with mode="fill"
+    vals = np.array([[1.0, 2.0, 0.0], [0.5, 1.5, 4.0]], np.float32)
+    w = jnp.linspace(-1.0, 1.0, size)
+
+    def loss_of_rows(rows):
+        return jnp.sum(jnp.tanh(rows * vals))
+
+    def loss(w):
+        return loss_of_rows(jnp.take(w, ids, mode="fill", fill_value=0.0))
+
+    rows_grad = jax.grad(loss_of_rows)(jnp.take(w, ids, mode="fill", fill_value=0.0))
+    stream = coalesce(ids, rows_grad, size=size)
+    np.testing.assert_allclose(np.asarray(stream.to_dense()), np.asarray(jax.grad(loss)(w)), rtol=1e-6)
+    assert int(stream.nnz) == 3
+
+
+def test_coalesce_under_vmap_and_float_sums():
+    rng = np.random.default_rng(5)
+    idx = rng.integers(0, 30, (4, 25)).astype(np.int32)
+    val = rng.standard_normal((4, 25)).astype(np.float32)
+    out = jax.vmap(lambda i, v: coalesce(i, v, size=30))(idx, val)
+    ref = jax.vmap(lambda i, v: coalesce_reference(i, v, 30))(idx, val)
+    for b in range(4):
+        dense = np.zeros(30, np.float32)
+        np.add.at(dense, idx[b], val[b])
+        np.testing.assert_allclose(np.asarray(unstack(out, b).to_dense()), dense, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(unstack(out, b).values), np.asarray(unstack(ref, b).values), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(unstack(out, b).indices), np.asarray(unstack(ref, b).indices))
+
+
+def test_coalesce_run_time_errors():
+    with pytest.raises(ERRORS, match=r"coalesce: indices\[1\] = 11 lies outside \[0, size\] with size = 10"):
+        coalesce(np.array([2, 11], np.int32), np.ones(2, np.float32), size=10).nnz.block_until_ready()
+    with pytest.raises(ERRORS, match=r"coalesce: indices\[0\] = -1 lies outside"):
+        jax.jit(functools.partial(coalesce, size=10))(np.array([-1], np.int32), np.ones(1, np.float32)).nnz \
+            .block_until_ready()
+    with pytest.raises(ERRORS, match="coalesce: the pairs hold 3 distinct indices but capacity is 2; pass a larger"):
+        coalesce(np.array([1, 2, 3, 3], np.int32), np.ones(4, np.float32), size=10, capacity=2).nnz.block_until_ready()
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda: coalesce(np.ones(3, np.int32), np.ones(2, np.float32), 8), ValueError,
+         "indices and values must have the same shape"),
+        (lambda: coalesce(np.ones(3, np.float32), np.ones(3, np.float32), 8), TypeError,
+         "indices must have dtype int32"),
+        (lambda: coalesce(np.ones(3, np.int32), np.ones(3, np.int32), 8), TypeError,
+         "values must have dtype float32"),
+        (lambda: coalesce(np.ones(3, np.int32), np.ones(3, np.float32), 2**31), ValueError,
+         "size=2147483648 does not fit int32"),
+        (lambda: coalesce(np.ones(3, np.int32), np.ones(3, np.float32), 8, capacity=-1), ValueError,
+         r"capacity must lie in \[0,"),
+    ],
+)
+def test_coalesce_static_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
 

@@ -26,6 +26,18 @@ ffi::Error FromDenseCountedImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error CoalesceImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::ResultBuffer<ffi::S32> out_idx,
+                        ffi::ResultBuffer<ffi::F32> out_val, ffi::ResultBufferR0<ffi::S32> out_nnz, int64_t n,
+                        int64_t dense_threshold) {
+  char err[SPARCML_ERRLEN] = {0};
+  int64_t nnz = 0;
+  int status = sparcml_coalesce(idx.typed_data(), val.typed_data(), static_cast<int64_t>(idx.element_count()), n,
+                                dense_threshold, out_idx->typed_data(), out_val->typed_data(),
+                                static_cast<int64_t>(out_idx->element_count()), &nnz, err);
+  out_nnz->typed_data()[0] = static_cast<int32_t>(nnz);
+  return sparcml::KernelError(status, err);
+}
+
 ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
                           ffi::Buffer<ffi::F32> dense, ffi::ResultBuffer<ffi::F32> out) {
   char err[SPARCML_ERRLEN] = {0};
@@ -71,6 +83,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlFromDenseCounted, FromDenseCountedImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::BufferR0<ffi::S32>>());
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlCoalesce(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlCoalesce, CoalesceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::BufferR0<ffi::S32>>()
+                                  .Attr<int64_t>("n")
+                                  .Attr<int64_t>("dense_threshold"));
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlScatterAdd(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlScatterAdd, ScatterAddImpl,

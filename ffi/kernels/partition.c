@@ -1,6 +1,7 @@
 #include "partition.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static void iota_i32(int32_t *idx, int64_t n) {
@@ -51,6 +52,96 @@ void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, flo
   sparcml_pad_tail(out_idx, out_val, o, out_cap, n);
   *out_nnz = o;
   *count = o + rest;
+}
+
+/* Stable LSD radix sort of (key, val) by key in [0, n), 11-bit digits, only as many as n needs.
+ * key_tmp and val_tmp hold m entries of scratch; the result ends in key and val. */
+static void radix_sort_pairs(int32_t *key, float *val, int32_t *key_tmp, float *val_tmp, int64_t m, int64_t n) {
+  enum { DIGIT_BITS = 11, BUCKETS = 1 << DIGIT_BITS };
+  int32_t *key_in = key, *key_out = key_tmp;
+  float *val_in = val, *val_out = val_tmp;
+  for (int shift = 0; shift < 32 && ((n - 1) >> shift) > 0; shift += DIGIT_BITS) {
+    int64_t start[BUCKETS] = {0};
+    for (int64_t i = 0; i < m; ++i) start[(key_in[i] >> shift) & (BUCKETS - 1)]++;
+    int64_t offset = 0;
+    for (int b = 0; b < BUCKETS; ++b) {
+      int64_t count = start[b];
+      start[b] = offset;
+      offset += count;
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      int64_t o = start[(key_in[i] >> shift) & (BUCKETS - 1)]++;
+      key_out[o] = key_in[i];
+      val_out[o] = val_in[i];
+    }
+    int32_t *k = key_in; key_in = key_out; key_out = k;
+    float *v = val_in; val_in = val_out; val_out = v;
+  }
+  if (key_in != key && m > 0) {
+    memcpy(key, key_in, (size_t)m * sizeof(int32_t));
+    memcpy(val, val_in, (size_t)m * sizeof(float));
+  }
+}
+
+int sparcml_coalesce(const int32_t *idx, const float *val, int64_t m, int64_t n, int64_t dense_threshold,
+                     int32_t *out_idx, float *out_val, int64_t out_cap, int64_t *out_nnz, char *err) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (idx[i] < 0 || idx[i] > n) {
+      snprintf(err, SPARCML_ERRLEN,
+               "coalesce: indices[%lld] = %d lies outside [0, size] with size = %lld (size itself marks padding); "
+               "fix the indices or the size",
+               (long long)i, idx[i], (long long)n);
+      return 1;
+    }
+    kept += idx[i] < n;
+  }
+  int32_t *key = malloc((size_t)(2 * kept + 1) * sizeof(int32_t));
+  float *sum = malloc((size_t)(2 * kept + 1) * sizeof(float));
+  if (key == NULL || sum == NULL) {
+    free(key);
+    free(sum);
+    snprintf(err, SPARCML_ERRLEN, "coalesce: out of memory for %lld pairs of scratch", (long long)kept);
+    return 1;
+  }
+  for (int64_t i = 0, o = 0; i < m; ++i) {
+    if (idx[i] < n) {
+      key[o] = idx[i];
+      sum[o++] = val[i];
+    }
+  }
+  radix_sort_pairs(key, sum, key + kept, sum + kept, kept, n);
+  int64_t distinct = 0;
+  for (int64_t i = 0; i < kept; ++i) {
+    if (distinct > 0 && key[distinct - 1] == key[i]) {
+      sum[distinct - 1] += sum[i];
+    } else {
+      key[distinct] = key[i];
+      sum[distinct++] = sum[i];
+    }
+  }
+  int status = 0;
+  if (distinct >= dense_threshold && out_cap >= n) {
+    if (n > 0) memset(out_val, 0, (size_t)n * sizeof(float));
+    for (int64_t j = 0; j < distinct; ++j) out_val[key[j]] = sum[j];
+    iota_i32(out_idx, n);
+    sparcml_pad_tail(out_idx, out_val, n, out_cap, n);
+    *out_nnz = n;
+  } else if (distinct > out_cap) {
+    snprintf(err, SPARCML_ERRLEN, "coalesce: the pairs hold %lld distinct indices but capacity is %lld; "
+             "pass a larger capacity", (long long)distinct, (long long)out_cap);
+    status = 1;
+  } else {
+    if (distinct > 0) {
+      memcpy(out_idx, key, (size_t)distinct * sizeof(int32_t));
+      memcpy(out_val, sum, (size_t)distinct * sizeof(float));
+    }
+    sparcml_pad_tail(out_idx, out_val, distinct, out_cap, n);
+    *out_nnz = distinct;
+  }
+  free(key);
+  free(sum);
+  return status;
 }
 
 int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, const float *dense,

@@ -21,6 +21,14 @@ void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, flo
 int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
                        int64_t out_cap, int64_t *out_nnz, char *err);
 
+/* The stream of sum_i val[i] e_{idx[i]} over a length-n vector: pairs in any order, duplicate
+ * indices summed (in input order), index n marks a pair to drop (padding). Indices outside [0, n]
+ * are an error. Dense representation and capacity as in sparcml_from_dense, counting distinct
+ * indices. This is how naturally sparse gradients (embedding rows, sparse features) become streams
+ * without a pass over the dense vector. */
+int sparcml_coalesce(const int32_t *idx, const float *val, int64_t m, int64_t n, int64_t dense_threshold,
+                     int32_t *out_idx, float *out_val, int64_t out_cap, int64_t *out_nnz, char *err);
+
 /* out = dense + stream over a length-n vector; the stream may be dense (nnz == n).
  * out may equal dense (in place). */
 int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, const float *dense,

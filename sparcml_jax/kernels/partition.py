@@ -1,6 +1,8 @@
 """Stream construction and SparCML's split phase (paper §3 streams, §4 Split_allgather).
 
 * :func:`from_dense` / :func:`scatter_add`: dense vector <-> :class:`SparseStream`.
+* :func:`coalesce`: unordered (index, value) pairs with repeats -> :class:`SparseStream`, the
+  natural form of an embedding or sparse-feature gradient, without touching a dense vector.
 * :func:`partition_bounds` / :func:`split`: the index space ``[0, size)`` cut into ``parts``
   ranges (the last takes the remainder) and, for a stream, which of its pairs fall in each range.
   This is the split phase of ``SSAR_Split_allgather`` and ``DSAR_Split_allgather``.
@@ -25,6 +27,7 @@ from sparcml_jax.stream import MAX_SIZE, INDEX_DTYPE, VALUE_DTYPE, SparseStream,
 
 _FROM_DENSE = "sparcml_from_dense"
 _FROM_DENSE_COUNTED = "sparcml_from_dense_counted"
+_COALESCE = "sparcml_coalesce"
 _SCATTER_ADD = "sparcml_scatter_add"
 _SPLIT = "sparcml_split"
 _GATHER = "sparcml_gather"
@@ -166,6 +169,82 @@ def from_dense_reference(x: jax.Array, capacity: int | None = None, delta: float
         jnp.where(go_dense, size, nnz).astype(INDEX_DTYPE),
         size,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# coalesce
+
+
+def coalesce(indices: jax.Array, values: jax.Array, size: int, capacity: int | None = None,
+             delta: float = 1.0) -> SparseStream:
+    """The stream of ``sum_i values[i] * e[indices[i]]``: pairs in any order, repeats summed.
+
+    This builds the gradient of a lookup ``w[indices]`` from the gradient with respect to the
+    looked-up entries, in O(m log N) for m pairs instead of a pass over all ``size`` entries: the
+    naturally sparse case of SparCML §8.2 (sparse features, embeddings). ``indices`` and
+    ``values`` have the same shape (any rank; they are flattened). An index equal to ``size``
+    marks padding and is dropped, as in a stream's tail; any other index outside ``[0, size)``
+    is an error. Repeats are summed in input order. ``capacity`` (static, default the number of
+    pairs) bounds the distinct indices; with ``capacity >= size`` and at least
+    ``dense_threshold(size, delta)`` of them the result is the dense representation.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import coalesce
+      >>> s = coalesce(jnp.array([[6, 1], [1, 8]], jnp.int32), jnp.array([[5., 2.], [1., 9.]]), size=8)
+      >>> s.indices.tolist(), s.values.tolist(), int(s.nnz)   # index 8 == size: padding
+      ([1, 6, 8, 8], [3.0, 5.0, 0.0, 0.0], 2)
+    """
+    indices, values = jnp.asarray(indices), jnp.asarray(values)
+    if indices.shape != values.shape:
+        raise ValueError(f"indices and values must have the same shape, got {indices.shape} and {values.shape}")
+    idx = check_vector(indices.ravel(), "indices", INDEX_DTYPE)
+    val = check_vector(values.ravel(), "values")
+    check_size(idx.shape[0], "indices.size")
+    size = check_size(size, "size")
+    capacity = idx.shape[0] if capacity is None else _check_count(capacity, "capacity", 0)
+    threshold = dense_threshold(size, delta)
+
+    def ffi_impl(idx, val):
+        _lib.register_cpu_target(_COALESCE, "SparcmlCoalesce")
+        out = (
+            jax.ShapeDtypeStruct((capacity,), INDEX_DTYPE),
+            jax.ShapeDtypeStruct((capacity,), VALUE_DTYPE),
+            jax.ShapeDtypeStruct((), INDEX_DTYPE),
+        )
+        out_idx, out_val, nnz = jax.ffi.ffi_call(_COALESCE, out, vmap_method="sequential")(
+            idx, val, n=attr_i64(size), dense_threshold=attr_i64(threshold)
+        )
+        return SparseStream(out_idx, out_val, nnz, size)
+
+    def reference(idx, val):
+        return coalesce_reference(idx, val, size, capacity=capacity, delta=delta)
+
+    return on_cpu_or_reference(ffi_impl, reference, idx, val)
+
+
+def coalesce_reference(indices: jax.Array, values: jax.Array, size: int, capacity: int | None = None,
+                       delta: float = 1.0) -> SparseStream:
+    """Pure-jnp :func:`coalesce` (no validation: out-of-range indices and pairs past ``capacity`` are dropped)."""
+    idx, val = indices.ravel(), values.ravel().astype(VALUE_DTYPE)
+    m = idx.shape[0]
+    capacity = m if capacity is None else capacity
+    order = jnp.argsort(idx, stable=True)
+    idx, val = idx[order].astype(INDEX_DTYPE), val[order]
+    kept = (idx >= 0) & (idx < size)
+    first = kept & jnp.concatenate([jnp.ones((min(m, 1),), bool), idx[1:] != idx[:-1]])
+    slot = jnp.where(kept, jnp.cumsum(first) - 1, capacity)
+    distinct = jnp.sum(first, dtype=INDEX_DTYPE)
+    out_idx = jnp.full((capacity,), size, INDEX_DTYPE).at[jnp.where(first, slot, capacity)].set(idx, mode="drop")
+    out_val = jnp.zeros((capacity,), VALUE_DTYPE).at[slot].add(val, mode="drop")
+    nnz = jnp.minimum(distinct, capacity)
+    if capacity < size:
+        return SparseStream(out_idx, out_val, nnz, size)
+    dense = jnp.zeros((size,), VALUE_DTYPE).at[jnp.where(kept, idx, size)].add(val, mode="drop")
+    dense_idx, dense_val = _padded_dense(dense, capacity)
+    go_dense = distinct >= dense_threshold(size, delta)
+    return SparseStream(jnp.where(go_dense, dense_idx, out_idx), jnp.where(go_dense, dense_val, out_val),
+                        jnp.where(go_dense, size, nnz).astype(INDEX_DTYPE), size)
 
 
 # --------------------------------------------------------------------------------------------
