@@ -9,6 +9,7 @@ measured, merges per pair, and passes over length-N buffers, all measured at cal
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -60,8 +61,17 @@ class CostModel:
         numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost)
         return cls(*comm.bcast(numbers, root=0))
 
-    def message(self, nbytes, xp=np):
-        return self.alpha + nbytes * self.beta
+    def latency(self, nprocs: int) -> float:
+        """Seconds per round in which every rank communicates at once.
+
+        The ping-pong's alpha, but no less than a round of the small dense allreduce (which
+        takes log2 P of them): when ranks share cores, a message waits for its receiver to be
+        scheduled, which a ping-pong between two ranks does not see.
+        """
+        return max(self.alpha, self.dense_alpha / max(1.0, math.log2(nprocs)))
+
+    def message(self, nbytes, nprocs: int = 2):
+        return self.latency(nprocs) + nbytes * self.beta
 
     def predict(self, algorithm: str, *, size: int, nnz, nprocs: int, transport: str = "native",
                 capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0, xp=np):
@@ -98,23 +108,23 @@ class CostModel:
             cost = 0.0
             if lower < p:
                 cap = grown_capacity(cap, size, 2, delta)
-                cost = cost + self.message(stream_bytes(1), xp) + self.message(stream_bytes(p), xp) + merge(1)
+                cost = cost + self.message(stream_bytes(1), p) + self.message(stream_bytes(p), p) + merge(1)
             m = folded
             while m < folded * lower:
                 cap = grown_capacity(cap, size, 2, delta)
-                cost = cost + self.message(stream_bytes(m), xp) + merge(m) + result_buffers(cap)
+                cost = cost + self.message(stream_bytes(m), p) + merge(m) + result_buffers(cap)
                 m *= 2
             return cost
-        sends = (p - 1) * self.message(stream_bytes(1) / p, xp)  # range r of every stream to rank r
+        sends = (p - 1) * self.message(stream_bytes(1) / p, p)  # range r of every stream to rank r
         split_phase = sends + count(1) * self.pair_cost  # and the merges of what arrives
         if algorithm == "ssar_split_allgather":
-            gather = log_p * self.alpha + (p - 1) * stream_bytes(p) / p * self.beta
+            gather = log_p * self.latency(p) + (p - 1) * stream_bytes(p) / p * self.beta
             return split_phase + gather + count(p) * self.pair_cost + result_buffers(gathered_capacity(cap, size, p, delta))
         if algorithm == "dsar_split_allgather":
             # The dense allgather moves half the bytes of a dense allreduce, but measured on shared
             # memory (2^22 values, P = 2 and 4) it costs about as much as the whole allreduce.
             value_bytes = 4.0 if quantize_bits is None else quantize_bits / 8.0
-            gather = log_p * self.alpha + n * value_bytes * self.dense_beta
+            gather = log_p * self.latency(p) + n * value_bytes * self.dense_beta
             # What arrives is added into the dense slice: P streaming passes over N / P values.
             passes = 1 + 1 / p if quantize_bits is None else 4  # (QSGD: also code and decode passes)
             if static:  # the mpi4jax transport densifies, pads and concatenates in fresh XLA buffers
@@ -151,7 +161,6 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
         idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int32)
         return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
 
-    a, b = stream(), stream()
     merged = jax.jit(lambda a, b: merge(a, b).values)
     vector = np.ones(n, np.float32)
 
@@ -169,14 +178,19 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
             times.append(time.perf_counter() - start)
         return float(np.min(times))
 
+    def time_both():
+        a, b = stream(), stream()
+        return fastest(merged, a, b) / (2 * k), fastest(one_pass, vector) / n
+
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_per_core = max(1.0, shared.Get_size() / max(1, len(os.sched_getaffinity(0))))
     shared.Free()
     comm.Barrier()
     # The first collective on a communicator usually runs while the user's train step is being
-    # traced: without this, jitted calls here would be staged into that trace, not timed.
-    with jax.ensure_compile_time_eval():
-        mine = (fastest(merged, a, b) / (2 * k), fastest(one_pass, vector) / n)
+    # traced. JAX's trace state is per thread: on a fresh thread the kernels run as they would in
+    # a step, where inside the trace (even under ensure_compile_time_eval) every call took 10x as long.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        mine = pool.submit(time_both).result()
     pair_cost, element_cost = np.median(np.asarray(comm.allgather(mine)), axis=0)  # robust to one slow rank
     return ranks_per_core * float(pair_cost), ranks_per_core * float(element_cost)
 
