@@ -42,6 +42,7 @@ from sparcml_jax.kernels.qsgd import (
     qsgd_wire_bytes,
 )
 from sparcml_jax.kernels.topk import topk, topk_reference
+from sparcml_jax.sparse_updates import apply_updates, lazy
 from sparcml_jax.stream import SparseStream, dense_threshold
 from sparcml_jax.transform import (
     AllreduceGradientsState,
@@ -62,6 +63,7 @@ __all__ = [
     "QuantizedVector",
     "SparseStream",
     "allreduce_gradients",
+    "apply_updates",
     "coalesce",
     "coalesce_reference",
     "dense_allreduce",
@@ -71,6 +73,7 @@ __all__ = [
     "from_dense_reference",
     "gather",
     "gather_reference",
+    "lazy",
     "merge",
     "merge_capacity",
     "merge_reference",

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.comm import get_transport, resolve_comm
+from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, resize
@@ -85,6 +86,10 @@ def allreduce_gradients(
       density: fraction of entries each rank sends per step, in (0, 1].
       k: entries sent per step instead of ``density`` (of the fused buffer, or per leaf).
         With neither, the gradient's actual nonzeros are sent exactly (naturally sparse models).
+        A gradient leaf may also be a :class:`SparseStream` over the flattened parameter (for
+        example from :func:`sparcml_jax.coalesce`): it is reduced exactly, on its own, without
+        ever forming the dense gradient, and its update is the reduced stream. Follow with
+        :func:`sparcml_jax.lazy` and apply with :func:`sparcml_jax.apply_updates`.
       sparsifier: ``"topk"``, ``"randomk"``, ``sparcml_jax.sparsifiers.threshold(tau)`` or any
         callable ``(v, k, key) -> SparseStream``.
       error_feedback: keep what was not sent and add it to the next gradient.
@@ -184,34 +189,47 @@ def allreduce_gradients(
         del params
         the_comm = resolve_comm(comm)
         nprocs = the_comm.Get_size()
-        leaves, treedef = jax.tree.flatten(updates)
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=_is_stream)
         residual_leaves, residual_def = jax.tree.flatten(state.residual)
         if treedef != residual_def:
             raise ValueError(
                 "allreduce_gradients: the gradient pytree differs from the one given to init "
                 f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train"
             )
+        stream_leaves = [i for i, leaf in enumerate(leaves) if _is_stream(leaf)]
+        if stream_leaves and buckets is not None:
+            raise ValueError("allreduce_gradients: SparseStream gradient leaves are not supported with buckets; "
+                             "pass buckets=None")
         for i, (leaf, res) in enumerate(zip(leaves, residual_leaves)):
-            _check_float_leaf(leaf, f"gradient leaf {i}")
-            if error_feedback and jnp.shape(leaf) != res.shape:
-                raise ValueError(f"allreduce_gradients: gradient leaf {i} has shape {jnp.shape(leaf)} but init saw "
+            if _is_stream(leaf):
+                check_stream(leaf, f"gradient leaf {i}")
+                shape_ok = not error_feedback or leaf.size == res.size
+            else:
+                _check_float_leaf(leaf, f"gradient leaf {i}")
+                shape_ok = not error_feedback or jnp.shape(leaf) == res.shape
+            if not shape_ok:
+                shape = f"a SparseStream of size {leaf.size}" if _is_stream(leaf) else f"shape {jnp.shape(leaf)}"
+                raise ValueError(f"allreduce_gradients: gradient leaf {i} has {shape} but init saw "
                                  f"{res.shape}; re-run init with the parameters you train")
-        dtypes = [jnp.result_type(leaf) for leaf in leaves]
+        dtypes = [None if _is_stream(leaf) else jnp.result_type(leaf) for leaf in leaves]
         accumulated = [
+            None if _is_stream(g) else
             (jnp.asarray(g, VALUE_DTYPE) + r) if error_feedback else jnp.asarray(g, VALUE_DTYPE)
             for g, r in zip(leaves, residual_leaves)
         ]
-        small = [i for i, a in enumerate(accumulated) if a.size < min_size]
-        large = [i for i, a in enumerate(accumulated) if a.size >= min_size]
+        dense_leaves = [i for i, a in enumerate(accumulated) if a is not None]
+        small = [i for i in dense_leaves if accumulated[i].size < min_size]
+        large = [i for i in dense_leaves if accumulated[i].size >= min_size]
         if buckets is not None:
             groups = _buckets(large[::-1], [accumulated[i].size for i in large[::-1]], buckets)
         else:
             groups = [large] if fuse and large else [[i] for i in large]
-        total_large = sum(accumulated[i].size for i in large)
+        total_large = sum(accumulated[i].size for i in large) + sum(leaves[i].size for i in stream_leaves)
 
         key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
         out = [None] * len(leaves)
-        new_residual = [jnp.zeros_like(a) if error_feedback else r for a, r in zip(accumulated, residual_leaves)]
+        new_residual = [jnp.zeros_like(a) if error_feedback and a is not None else r
+                        for a, r in zip(accumulated, residual_leaves)]
 
         scale = 1.0 / nprocs if average else 1.0
         if small:
@@ -288,7 +306,16 @@ def allreduce_gradients(
                 if len(group) == max(len(gr) for gr in groups):
                     algorithm_code = code
 
-        new_updates = [o.astype(d) for o, d in zip(out, dtypes)]
+        # Naturally sparse gradients travel exactly as given, whatever the dense leaves' sparsifier.
+        for i in stream_leaves:
+            reduced, stats = sparse_allreduce(leaves[i], comm=the_comm, return_stats=True,
+                                              **dict(collective, quantize_bits=None))
+            out[i] = dataclasses.replace(reduced, values=reduced.values / nprocs) if average else reduced
+            nnz_total, bytes_total = nnz_total + stats.result_nnz.astype(jnp.float32), bytes_total + stats.bytes_sent
+            if not large and leaves[i].size == max(leaves[j].size for j in stream_leaves):
+                algorithm_code = stats.algorithm
+
+        new_updates = [o if d is None else o.astype(d) for o, d in zip(out, dtypes)]
         stats = GradientStats(nnz_total / max(total_large, 1), bytes_total, algorithm_code)
         new_state = AllreduceGradientsState(
             residual=jax.tree.unflatten(residual_def, new_residual),
@@ -370,6 +397,10 @@ def _static(value: Any, name: str) -> Any:
     if isinstance(value, (jax.Array, np.ndarray)):
         return value.item()
     return value
+
+
+def _is_stream(x: Any) -> bool:
+    return isinstance(x, SparseStream)
 
 
 def _check_float_leaf(leaf: Any, name: str) -> None:

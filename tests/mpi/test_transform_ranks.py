@@ -1,5 +1,6 @@
 """The optax transformation on several ranks: every rank holds identical parameters after every
-step, exact mode matches a dense allreduce, and the error-feedback invariant holds per rank."""
+step, exact mode matches a dense allreduce (also for SparseStream gradient leaves, the sparse
+training loop of sparcml_jax.lazy), and the error-feedback invariant holds per rank."""
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,50 @@ def test_exact_mode_equals_dense_sum(options):
                 if not np.array_equal(np.asarray(a), b)]
 
     run_and_agree(check, "exact mode")
+
+
+@pytest.mark.parametrize("transport", ["native", "mpi4jax"])
+def test_stream_gradients_are_summed_exactly_and_applied_lazily(transport):
+    """Coalesced lookups (unequal counts, rank 0 empty at step 0, repeats, padding), integer valued:
+    the reduced stream is np.sum of every rank's dense gradient, and a lazy adagrad step on it
+    gives the parameters of optax.adagrad on the dense sum."""
+    size = 3000
+
+    def check():
+        failures = []
+        tx = optax.chain(sparcml_jax.allreduce_gradients(transport=transport, average=False),
+                         sparcml_jax.lazy(optax.adagrad(0.1)))
+        dense_tx = optax.adagrad(0.1)
+        params = {"w": jnp.zeros(size), "b": jnp.zeros(4)}
+        state, dense_params, dense_state = tx.init(params), params, dense_tx.init(params)
+        step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+        reducer = sparcml_jax.allreduce_gradients(transport=transport, average=False)
+        step_sum = jax.jit(lambda p, s, g: reducer.update(g, s[0], p)[0]["w"])
+        for t in range(4):
+            rng = np.random.default_rng([t, RANK])
+            pairs = 0 if (t == 0 and RANK == 0) else int(rng.integers(1, 60)) * (RANK + 1)
+            ids = rng.integers(0, size + 1, (8, 40)).astype(np.int32)  # size: padding
+            ids.ravel()[pairs:] = size
+            vals = rng.integers(-3, 4, ids.shape).astype(np.float32)
+            grads = {"w": sparcml_jax.coalesce(ids, vals, size=size), "b": jnp.full(4, float(RANK))}
+            state_before = state
+            updates, state = step(params, state, grads)
+            mine = np.zeros(size, np.float32)
+            np.add.at(mine, ids[ids < size], vals[ids < size])
+            total = np.sum(COMM.allgather(mine), axis=0)
+            reduced = step_sum(params, state_before, grads)
+            if not np.array_equal(np.asarray(reduced.to_dense()), total):
+                failures.append(f"step {t}: reduced stream differs from np.sum")
+            params = jax.jit(sparcml_jax.apply_updates)(params, updates)
+            dense_updates, dense_state = dense_tx.update(
+                {"w": jnp.asarray(total), "b": jnp.full(4, COMM.size * (COMM.size - 1) / 2)}, dense_state)
+            dense_params = optax.apply_updates(dense_params, dense_updates)
+            if not np.allclose(np.asarray(params["w"]), np.asarray(dense_params["w"]), rtol=1e-6, atol=1e-7):
+                failures.append(f"step {t}: lazy adagrad differs from optax.adagrad on the dense sum")
+            failures += _identical_everywhere(params, f"step {t}")
+        return failures
+
+    run_and_agree(check, "stream gradients")
 
 
 @pytest.mark.parametrize("buckets", [None, 3])
