@@ -157,6 +157,31 @@ def test_from_dense_nan_inf_and_negative_zero():
     assert_same_stream(out, from_dense_reference(jnp.asarray(x), 4))
 
 
+@pytest.mark.parametrize("size", [31, 32, 33, 1000, 4099])
+def test_from_dense_skips_zero_blocks_but_no_special_value(size):
+    """The kernels skip blocks of zeros by their bits: -0.0 is zero; NaN and infinities are not,
+    wherever they sit in a block, up to a tail shorter than a block. Subnormals count as zero, as
+    everywhere in XLA:CPU (it flushes denormals), and as in the jnp reference."""
+    rng = np.random.default_rng(size)
+    x = np.zeros(size, np.float32)
+    specials = np.array([np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3.0], np.float32)
+    at = rng.choice(size, min(size // 3, 40), replace=False)
+    x[at] = rng.choice(specials, at.size)
+    x[rng.choice(size, 5)] = -0.0
+    x[-1] = 1e-45
+    nonzero = np.flatnonzero((x != 0) & ~(np.abs(x) < np.finfo(np.float32).tiny))
+    out = from_dense(x, capacity=size // 2)
+    assert_same_stream(out, from_dense_reference(jnp.asarray(x), size // 2))
+    np.testing.assert_array_equal(np.asarray(out.indices)[: int(out.nnz)], nonzero)
+    assert int(out.nnz) == nonzero.size
+    for capacity in (0, nonzero.size // 2, nonzero.size, size):
+        counted, count = partition.from_dense_counted(x, capacity)
+        assert int(count) == nonzero.size
+        np.testing.assert_array_equal(np.asarray(counted.indices)[: int(counted.nnz)], nonzero[:capacity])
+        np.testing.assert_array_equal(np.asarray(counted.values)[: int(counted.nnz)].view(np.uint32),
+                                      x[nonzero[:capacity]].view(np.uint32))
+
+
 def test_from_dense_under_vmap():
     rng = np.random.default_rng(7)
     xs = np.stack([sparse_vector(rng, 30, k) for k in (0, 3, 9, 15, 30)])

@@ -8,6 +8,39 @@ static void iota_i32(int32_t *idx, int64_t n) {
   for (int64_t i = 0; i < n; ++i) idx[i] = (int32_t)i;
 }
 
+/* Gradients are mostly zeros: a block of them is skipped with one test on the OR of their bits
+ * without the sign (x != 0 exactly when those bits are not all zero, NaN included), which the
+ * compiler turns into a few vector ORs; the emission loop cannot be vectorized. */
+enum { ZERO_BLOCK = 32 };
+
+static int all_zero(const float *x) {
+  uint32_t bits[ZERO_BLOCK], any = 0;
+  memcpy(bits, x, sizeof bits);
+  for (int j = 0; j < ZERO_BLOCK; ++j) any |= bits[j];
+  return (any & 0x7fffffffu) == 0;
+}
+
+/* Appends the nonzeros of x[*from..n) as pairs at out[o..cap), advancing *from past what it read. */
+static int64_t append_nonzeros(const float *x, int64_t n, int64_t *from, int32_t *out_idx, float *out_val,
+                               int64_t o, int64_t cap) {
+  int64_t i = *from;
+  while (i < n && o < cap) {
+    if (i + ZERO_BLOCK <= n && all_zero(x + i)) {
+      i += ZERO_BLOCK;
+      continue;
+    }
+    int64_t end = i + ZERO_BLOCK < n ? i + ZERO_BLOCK : n;
+    for (; i < end && o < cap; ++i) {
+      if (x[i] != 0.0f) {
+        out_idx[o] = (int32_t)i;
+        out_val[o++] = x[i];
+      }
+    }
+  }
+  *from = i;
+  return o;
+}
+
 int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
                        int64_t out_cap, int64_t *out_nnz, char *err) {
   /* Counting first keeps this pass branch-free (vectorizable) and lets us fail before writing. */
@@ -26,13 +59,8 @@ int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32
              (long long)count, (long long)out_cap);
     return 1;
   }
-  int64_t o = 0;
-  for (int64_t i = 0; o < count; ++i) {
-    if (x[i] != 0.0f) {
-      out_idx[o] = (int32_t)i;
-      out_val[o++] = x[i];
-    }
-  }
+  int64_t from = 0;
+  append_nonzeros(x, n, &from, out_idx, out_val, 0, count);
   sparcml_pad_tail(out_idx, out_val, count, out_cap, n);
   *out_nnz = count;
   return 0;
@@ -40,13 +68,8 @@ int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32
 
 void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap,
                                 int64_t *out_nnz, int64_t *count) {
-  int64_t o = 0, i = 0;
-  for (; i < n && o < out_cap; ++i) {
-    if (x[i] != 0.0f) {
-      out_idx[o] = (int32_t)i;
-      out_val[o++] = x[i];
-    }
-  }
+  int64_t i = 0;
+  int64_t o = append_nonzeros(x, n, &i, out_idx, out_val, 0, out_cap);
   int64_t rest = 0;
   for (; i < n; ++i) rest += x[i] != 0.0f;
   sparcml_pad_tail(out_idx, out_val, o, out_cap, n);

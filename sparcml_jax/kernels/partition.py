@@ -75,7 +75,7 @@ def _take_or_zero(x: jax.Array, positions: jax.Array) -> jax.Array:
 def from_dense(x: jax.Array, capacity: int | None = None, delta: float = 1.0) -> SparseStream:
     """The stream of the nonzeros of a 1-D float32 vector, in index order.
 
-    NaN counts as nonzero, ``-0.0`` as zero. ``capacity`` (static, default ``x.size``) is the
+    NaN counts as nonzero, ``-0.0`` and subnormals (XLA:CPU flushes them) as zero. ``capacity`` (static, default ``x.size``) is the
     length of the pair buffers. When the count reaches ``dense_threshold(x.size, delta)`` and
     ``capacity >= x.size`` the result is the dense representation (``nnz == size``). More
     nonzeros than ``capacity`` (when the dense form is not possible) raise at run time.
