@@ -27,13 +27,16 @@ class CostModel:
 
     Attributes:
       alpha: seconds per message (latency), from a ping-pong between ranks 0 and 1.
-      beta: seconds per byte on the wire, from the same ping-pong.
+      beta: seconds per byte on the wire, from messages of megabytes exchanged by all ranks in
+        pairs at once, as in a round of recursive doubling (on a node the ranks' copies then
+        share cores and the memory bus; on a network every link is busy).
       dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
         seconds per byte of the vector from a large one, past the caches): on a node it is bound
         by memory and by the ranks sharing cores, not by the wire, and the SparCML algorithms
         must beat the real thing.
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
-        on every rank at once (so ranks that share cores are measured sharing them).
+        on streams of megabytes (past the caches, like the messages that matter) on every rank
+        at once (so ranks that share cores are measured sharing them and the memory bus).
       element_cost: seconds per element of a pass over a length-N vector (densify, padding, a
         result buffer), measured the same way.
     """
@@ -46,16 +49,16 @@ class CostModel:
     element_cost: float = 0.0
 
     @classmethod
-    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 1 << 20, large_reps: int = 5,
+    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 4 << 20, large_reps: int = 5,
                   dense_bytes: int = 8 << 20) -> "CostModel":
         """Measures the model on ``comm``; every rank gets rank 0's numbers (identical choices)."""
         if comm.Get_size() < 2:
             return cls(alpha=0.0, beta=0.0)
-        small, large = np.zeros(1, np.float64), np.zeros(large_bytes // 8, np.float64)
-        t_small, t_large = _ping_pong(comm, small, small_reps), _ping_pong(comm, large, large_reps)
+        small = np.zeros(1, np.float64)
+        t_small, t_large = _ping_pong(comm, small, small_reps), _pairwise_exchange(comm, large_bytes, large_reps)
         alpha = max(t_small, 1e-7)
         beta = max((t_large - alpha) / large_bytes, 1e-12)
-        d_small, d_large = _allreduce_seconds(comm, 2), _allreduce_seconds(comm, dense_bytes // 4)
+        d_small, d_large = _allreduce_seconds(comm, 2, small_reps), _allreduce_seconds(comm, dense_bytes // 4)
         dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
         numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost)
@@ -146,41 +149,41 @@ def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
-    """Per-pair merge and per-element pass costs, times the number of ranks that share each core of
-    this node (timed at once, kernels this short barely overlap across ranks and hide the sharing)."""
+    """Per-pair merge cost (megabyte streams, every rank at once: the median sees the ranks
+    share cores and memory) and per-element pass cost (short: the fastest sample, times the
+    ranks that share each core of this node, since kernels this short barely overlap)."""
     import jax
     import jax.numpy as jnp
 
     from sparcml_jax.kernels.merge import merge
     from sparcml_jax.stream import SparseStream
 
-    n, k = 1 << 20, 1 << 15
+    n, k = 1 << 22, 1 << 18
     rng = np.random.default_rng(0)
 
-    def stream():
-        idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int32)
+    def stream():  # one random index per stride: sorted and distinct, at density 1/16
+        stride = n // k
+        idx = (np.arange(k) * stride + rng.integers(0, stride, k)).astype(np.int32)
         return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
 
     merged = jax.jit(lambda a, b: merge(a, b).values)
-    vector = np.ones(n, np.float32)
+    vector = np.ones(1 << 20, np.float32)
 
     def one_pass(v):  # in place: the results' buffers are written once, without page faults
         return np.multiply(v, 2.0, out=v)
 
-    def fastest(fn, *args, reps=9):
-        # The minimum: a rank that loses its core for one sample (4 ranks on 2 cores) must not
-        # price every merge at that sample; the sharing is accounted by ranks_per_core.
+    def timed(fn, *args, reps=9):
         jax.block_until_ready(fn(*args))
         times = []
         for _ in range(reps):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - start)
-        return float(np.min(times))
+        return np.asarray(times)
 
     def time_both():
         a, b = stream(), stream()
-        return fastest(merged, a, b) / (2 * k), fastest(one_pass, vector) / n
+        return float(np.median(timed(merged, a, b))) / (2 * k), float(np.min(timed(one_pass, vector))) / vector.size
 
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_per_core = max(1.0, shared.Get_size() / max(1, len(os.sched_getaffinity(0))))
@@ -192,7 +195,22 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         mine = pool.submit(time_both).result()
     pair_cost, element_cost = np.median(np.asarray(comm.allgather(mine)), axis=0)  # robust to one slow rank
-    return ranks_per_core * float(pair_cost), ranks_per_core * float(element_cost)
+    return float(pair_cost), ranks_per_core * float(element_cost)
+
+
+def _pairwise_exchange(comm: MPI.Comm, nbytes: int, reps: int) -> float:
+    """Median time (max over ranks) of every rank exchanging ``nbytes`` with rank ^ 1 at once."""
+    rank = comm.Get_rank()
+    partner = rank ^ 1
+    send, recv = np.ones(nbytes // 8, np.float64), np.empty(nbytes // 8, np.float64)
+    times = []
+    for _ in range(reps + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        if partner < comm.Get_size():
+            comm.Sendrecv(send, dest=partner, sendtag=78, recvbuf=recv, source=partner, recvtag=78)
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return float(np.median(times[1:]))
 
 
 def _ping_pong(comm: MPI.Comm, buf: np.ndarray, reps: int) -> float:
