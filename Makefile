@@ -30,7 +30,7 @@ OVERSUBSCRIBED := MPIR_CVAR_POLLS_BEFORE_YIELD=1 MPIR_CVAR_CH4_PROGRESS_THROTTLE
 # XLA:CPU allocates each run's temporaries afresh; glibc serves blocks this large with mmap, so
 # every step page-faults its 16 MB buffers back in (measured: half the demo's step time). These
 # keep freed memory in the heap instead, for both runs alike.
-KEEP_HEAP := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_ARENA_MAX=1
+KEEP_HEAP := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296
 
 # The main job: the URL-like logistic regression, sparse beside dense, on $(NP) ranks.
 demo: build
