@@ -131,7 +131,7 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
                          ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> oidx,
                          ffi::ResultBuffer<ffi::F32> oval, ffi::ResultBufferR0<ffi::S32> onnz,
                          ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
-                         ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n, double delta) {
+                         ffi::Result<ffi::Token>, int64_t comm_handle, int64_t tag, int64_t n, double delta) {
   MPI_Comm comm = sparcml::CommFromF(comm_handle);
   int parts, me;
   MPI_Comm_size(comm, &parts);
@@ -141,17 +141,13 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   int64_t length = mine.hi - mine.lo, count = pnnz.typed_data()[0];
   sparcml::Bytes message = sparcml::PackSegment(pidx.typed_data(), pval.typed_data(), 0, count, 0, length,
                                                    count == length, status, delta);
-  int my_bytes = static_cast<int>(message.size());
-  std::vector<int> sizes(parts), displs(parts + 1, 0);
-  MPI_Allgather(&my_bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
-  for (int r = 0; r < parts; ++r) displs[r + 1] = displs[r] + sizes[r];
-  sparcml::Bytes all(displs[parts]);
-  MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
+  double sent = static_cast<double>(message.size() - sizeof(Header)) * (parts - 1);
+  std::vector<sparcml::Bytes> all = sparcml::AllgatherBytes(comm, static_cast<int>(tag), std::move(message));
 
   std::vector<Segment> segments(parts);
   int64_t total = 0;
   for (int r = 0; r < parts; ++r) {
-    segments[r] = sparcml::UnpackSegment(all.data() + displs[r], static_cast<size_t>(displs[r + 1] - displs[r]));
+    segments[r] = sparcml::UnpackSegment(all[r]);
     status = sparcml::Incoming(status, segments[r]);
     total += segments[r].header.count;
   }
@@ -189,7 +185,7 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   sparcml_pad_tail(out_idx, out_val, out_nnz, cap, n);
   onnz->typed_data()[0] = static_cast<int32_t>(out_nnz);
   status_out->typed_data()[0] = status;
-  bytes_sent->typed_data()[0] = static_cast<float>((message.size() - sizeof(Header)) * (parts - 1));
+  bytes_sent->typed_data()[0] = static_cast<float>(sent);
   return ffi::Error::Success();
 }
 
@@ -198,7 +194,7 @@ ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
                              ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> oidx,
                              ffi::ResultBuffer<ffi::F32> oval, ffi::ResultBuffer<ffi::S32> onnz,
                              ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
-                             ffi::Result<ffi::Token>, int64_t comm_handle, int64_t n) {
+                             ffi::Result<ffi::Token>, int64_t comm_handle, int64_t tag, int64_t n) {
   MPI_Comm comm = sparcml::CommFromF(comm_handle);
   int parts;
   MPI_Comm_size(comm, &parts);
@@ -206,21 +202,17 @@ ffi::Error GatherStreamsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
   int64_t count = nnz.typed_data()[0], cap = static_cast<int64_t>(idx.element_count());
   sparcml::Bytes message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n, count == n,
                                                    status, /*delta=*/1e300);
-  int my_bytes = static_cast<int>(message.size());
-  std::vector<int> sizes(parts), displs(parts + 1, 0);
-  MPI_Allgather(&my_bytes, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
-  for (int r = 0; r < parts; ++r) displs[r + 1] = displs[r] + sizes[r];
-  sparcml::Bytes all(displs[parts]);
-  MPI_Allgatherv(message.data(), my_bytes, MPI_BYTE, all.data(), sizes.data(), displs.data(), MPI_BYTE, comm);
+  double sent = static_cast<double>(message.size() - sizeof(Header)) * (parts - 1);
+  std::vector<sparcml::Bytes> all = sparcml::AllgatherBytes(comm, static_cast<int>(tag), std::move(message));
   for (int r = 0; r < parts; ++r) {
-    Segment s = sparcml::UnpackSegment(all.data() + displs[r], static_cast<size_t>(displs[r + 1] - displs[r]));
+    Segment s = sparcml::UnpackSegment(all[r]);
     status = sparcml::Incoming(status, s);
     if (status != sparcml::kOk) s.header.count = 0;
     StoreSegment(s, n, oidx->typed_data() + r * cap, oval->typed_data() + r * cap, cap, onnz->typed_data() + r,
                  &status);
   }
   status_out->typed_data()[0] = status;
-  bytes_sent->typed_data()[0] = static_cast<float>((message.size() - sizeof(Header)) * (parts - 1));
+  bytes_sent->typed_data()[0] = static_cast<float>(sent);
   return ffi::Error::Success();
 }
 
@@ -310,6 +302,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiReduceScatter, ReduceScatterImpl,
 SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiAllgather(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiAllgather, AllgatherImpl,
                               ffi::Ffi::Bind() STREAM_IN STREAM_OUT.Attr<int64_t>("comm")
+                                  .Attr<int64_t>("tag")
                                   .Attr<int64_t>("n")
                                   .Attr<double>("delta"));
 
@@ -322,6 +315,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiGatherStreams, GatherStreamsImpl,
                                   .Ret<ffi::BufferR0<ffi::F32>>()
                                   .Ret<ffi::Token>()
                                   .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("tag")
                                   .Attr<int64_t>("n"));
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiSummary(XLA_FFI_CallFrame*);

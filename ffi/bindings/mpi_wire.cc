@@ -120,6 +120,24 @@ Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {
   return buffer;
 }
 
+std::vector<Bytes> AllgatherBytes(MPI_Comm comm, int tag, Bytes mine) {
+  int parts, me;
+  MPI_Comm_size(comm, &parts);
+  MPI_Comm_rank(comm, &me);
+  std::vector<MPI_Request> requests(parts, MPI_REQUEST_NULL);
+  for (int r = 0; r < parts; ++r) {
+    if (r != me) MPI_Isend(mine.data(), static_cast<int>(mine.size()), MPI_BYTE, r, tag, comm, &requests[r]);
+  }
+  std::vector<Bytes> received(parts);
+  for (int i = 1; i < parts; ++i) {
+    int source = (me + parts - i) % parts;  // a ring order: every rank starts with a different peer
+    received[source] = ReceiveAny(comm, source, tag, nullptr);
+  }
+  MPI_Waitall(parts, requests.data(), MPI_STATUSES_IGNORE);
+  received[me] = std::move(mine);
+  return received;
+}
+
 RangeMessages PostRanges(MPI_Comm comm, int tag, const int32_t* idx, const float* val, int64_t count, int64_t n,
                          int32_t status, double delta) {
   int parts, me;

@@ -111,15 +111,16 @@ def allgather(part: SparseStream, *, size: int, out_capacity: int, status: jax.A
     ``slot_capacity`` (the static message size of the mpi4jax transport) is not needed.
     """
     return _bind_stream(
-        _allgather_p, part, status, size, out_capacity=i64(out_capacity), comm=i64(comm.py2f()), n=i64(size),
-        delta=float(delta),
+        _allgather_p, part, status, size, out_capacity=i64(out_capacity), comm=i64(comm.py2f()),
+        tag=i64(_TAG_BASE + 65), n=i64(size), delta=float(delta),
     )
 
 
 def gather_streams(s: SparseStream, *, status: jax.Array, comm: MPI.Comm):
     """Every rank's whole stream: (indices[P, cap], values[P, cap], nnz[P]), valid entries only on the wire."""
     idx, val, nnz, status, sent = _gather_streams_p.bind(
-        s.indices, s.values, s.nnz, status, nprocs=i64(comm.Get_size()), comm=i64(comm.py2f()), n=i64(s.size)
+        s.indices, s.values, s.nnz, status, nprocs=i64(comm.Get_size()), comm=i64(comm.py2f()),
+        tag=i64(_TAG_BASE + 65), n=i64(s.size)
     )
     return (idx, val, nnz), status, sent
 
