@@ -140,16 +140,22 @@ class CostModel:
         raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
-def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
-    """Median time of an MPI_Allreduce of ``count`` float32 (max over ranks)."""
-    buf, out = np.ones(count, np.float32), np.empty(count, np.float32)
+def _slowest_rank_median(comm: MPI.Comm, run, reps: int) -> float:
+    """Median over ``reps`` calls of ``run()`` (after one warm-up) of the slowest rank's time,
+    every call started by all ranks together after a barrier."""
     times = []
     for _ in range(reps + 1):
         comm.Barrier()
         start = time.perf_counter()
-        comm.Allreduce(buf, out, op=MPI.SUM)
+        run()
         times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
     return float(np.median(times[1:]))
+
+
+def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
+    """Median time of an MPI_Allreduce of ``count`` float32 (max over ranks)."""
+    buf, out = np.ones(count, np.float32), np.empty(count, np.float32)
+    return _slowest_rank_median(comm, lambda: comm.Allreduce(buf, out, op=MPI.SUM), reps)
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
@@ -206,17 +212,14 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
 
 def _pairwise_exchange(comm: MPI.Comm, nbytes: int, reps: int) -> float:
     """Median time (max over ranks) of every rank exchanging ``nbytes`` with rank ^ 1 at once."""
-    rank = comm.Get_rank()
-    partner = rank ^ 1
+    partner = comm.Get_rank() ^ 1
     send, recv = np.ones(nbytes // 8, np.float64), np.empty(nbytes // 8, np.float64)
-    times = []
-    for _ in range(reps + 1):
-        comm.Barrier()
-        start = time.perf_counter()
+
+    def exchange():
         if partner < comm.Get_size():
             comm.Sendrecv(send, dest=partner, sendtag=78, recvbuf=recv, source=partner, recvtag=78)
-        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return float(np.median(times[1:]))
+
+    return _slowest_rank_median(comm, exchange, reps)
 
 
 def _ping_pong(comm: MPI.Comm, buf: np.ndarray, reps: int) -> float:
