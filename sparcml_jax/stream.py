@@ -113,7 +113,8 @@ class SparseStream:
         """The nonzeros of a 1-D float32 vector (NaN counts as nonzero, -0.0 as zero).
 
         With ``capacity=None`` the capacity is ``x.size`` and the stream is dense when the count
-        reaches the threshold. More nonzeros than ``capacity`` raise an error at run time.
+        reaches the threshold. More nonzeros than ``capacity`` give a stream with ``nnz`` above
+        its capacity, which every consumer rejects (see :func:`sparcml_jax.from_dense`).
         """
         from sparcml_jax.kernels.partition import from_dense
 

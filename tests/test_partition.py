@@ -62,19 +62,21 @@ def sparse_vector(rng, size, nnz):
 
 
 def np_from_dense(x, capacity=None, delta=1.0):
-    """(indices, values, nnz) of the expected stream, or None when it must raise."""
+    """(indices, values, nnz) of the expected stream; past ``capacity``, the first nonzeros and the true count."""
     size = x.size
     capacity = size if capacity is None else capacity
     (pos,) = np.nonzero(x != 0)
     if capacity >= size and len(pos) >= dense_threshold(size, delta):
-        pos, nnz = np.arange(size), size
-    elif len(pos) > capacity:
-        return None
-    else:
-        nnz = len(pos)
-    idx = np.concatenate([pos, np.full(capacity - nnz, size)]).astype(np.int32)
-    val = np.concatenate([x[pos], np.zeros(capacity - nnz)]).astype(np.float32)
-    return idx, val, nnz
+        pos = np.arange(size)
+    return padded(pos, x[pos], size, capacity)
+
+
+def padded(support, values, size, capacity):
+    """The stream (indices, values, nnz) of ``support`` in ``capacity`` slots: nnz is the true count."""
+    stored = min(support.size, capacity)
+    idx = np.concatenate([support[:stored], np.full(capacity - stored, size)]).astype(np.int32)
+    val = np.concatenate([values[:stored], np.zeros(capacity - stored)]).astype(np.float32)
+    return idx, val, support.size
 
 
 def np_dense_of(s):
@@ -194,18 +196,24 @@ def test_from_dense_under_vmap():
     np.testing.assert_array_equal(np.asarray(jax.vmap(SparseStream.to_dense)(out)), xs)
 
 
-def test_from_dense_overflow_raises_at_run_time():
+def test_from_dense_overflow_gives_a_stream_every_consumer_rejects():
+    """Raising in from_dense would stop one rank before a collective its peers wait in; the
+    overflowed stream (true count in nnz) instead fails every consumer, and in a collective every
+    rank (tests/mpi/test_collective_errors.py)."""
     x = np.zeros(40, np.float32)
-    x[:12] = 1.0
-    msg = "from_dense: x has 12 nonzeros but capacity is 8; pass a larger capacity"
-    with pytest.raises(ERRORS, match=msg):
-        from_dense(x, capacity=8).nnz.block_until_ready()
+    x[5:17] = np.arange(1, 13)
     fn = jax.jit(functools.partial(from_dense, capacity=8))
+    for s in (from_dense(x, capacity=8), fn(x)):
+        assert_stream_equals(s, *np_from_dense(x, 8))
+        assert int(s.nnz) == 12
+        assert_same_stream(s, from_dense_reference(jnp.asarray(x), 8))
+    msg = r"nnz=12 exceeds its capacity 8 \(from_dense and coalesce return the true count"
     for _ in range(2):  # first call and warm call surface different exception classes
         with pytest.raises(ERRORS, match=msg):
-            fn(x).nnz.block_until_ready()
-    with pytest.raises(ERRORS, match="x has 12 nonzeros"):
-        jax.vmap(lambda v: from_dense(v, capacity=8))(np.stack([x, x])).nnz.block_until_ready()
+            jax.jit(lambda v: from_dense(v, capacity=8).to_dense())(x).block_until_ready()
+    with pytest.raises(ERRORS, match=msg):
+        jax.vmap(lambda v: from_dense(v, capacity=8).to_dense())(np.stack([x, x])).block_until_ready()
+
 
 
 @pytest.mark.parametrize(
@@ -229,7 +237,7 @@ def test_from_dense_static_errors(call, exc, match):
 
 
 def np_coalesce(idx, val, size, capacity=None, delta=1.0):
-    """(indices, values, nnz) of the expected stream, or None when it must raise."""
+    """(indices, values, nnz) of the expected stream; past ``capacity``, the first indices and the true count."""
     idx, val = np.asarray(idx).ravel(), np.asarray(val, np.float32).ravel()
     capacity = idx.size if capacity is None else capacity
     kept = idx < size
@@ -237,31 +245,25 @@ def np_coalesce(idx, val, size, capacity=None, delta=1.0):
     np.add.at(dense, idx[kept], val[kept])
     support = np.unique(idx[kept])
     if capacity >= size and support.size >= dense_threshold(size, delta):
-        support, nnz = np.arange(size), size
-    elif support.size > capacity:
-        return None
-    else:
-        nnz = support.size
-    out_idx = np.concatenate([support, np.full(capacity - nnz, size)]).astype(np.int32)
-    out_val = np.concatenate([dense[support], np.zeros(capacity - nnz)]).astype(np.float32)
-    return out_idx, out_val, nnz
+        support = np.arange(size)
+    return padded(support, dense[support], size, capacity)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     size=st.integers(0, 40),
     pairs=st.integers(0, 60),
-    capacity_extra=st.one_of(st.none(), st.integers(0, 50)),
+    capacity_extra=st.one_of(st.none(), st.integers(-3, 50)),
     delta=st.sampled_from([0.5, 1.0, 3.0]),
     seed=st.integers(0, 2**16),
 )
 def test_coalesce_matches_numpy_and_reference(size, pairs, capacity_extra, delta, seed):
-    """Integer-valued pairs (exact sums in any order), repeats and padding (index == size)."""
+    """Integer-valued pairs (exact sums in any order), repeats, padding (index == size) and overflow."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, size + 1, pairs).astype(np.int32)
     val = rng.integers(-9, 10, pairs).astype(np.float32)
     distinct = np.unique(idx[idx < size]).size
-    capacity = None if capacity_extra is None else distinct + capacity_extra
+    capacity = None if capacity_extra is None else max(0, distinct + capacity_extra)
     expected = np_coalesce(idx, val, size, capacity, delta)
     fn = jax.jit(functools.partial(coalesce, size=size, capacity=capacity, delta=delta))
     assert_stream_equals(fn(idx, val), *expected)
@@ -315,14 +317,26 @@ def test_coalesce_under_vmap_and_float_sums():
         np.testing.assert_array_equal(np.asarray(unstack(out, b).indices), np.asarray(unstack(ref, b).indices))
 
 
-def test_coalesce_run_time_errors():
-    with pytest.raises(ERRORS, match=r"coalesce: indices\[1\] = 11 lies outside \[0, size\] with size = 10"):
-        coalesce(np.array([2, 11], np.int32), np.ones(2, np.float32), size=10).nnz.block_until_ready()
-    with pytest.raises(ERRORS, match=r"coalesce: indices\[0\] = -1 lies outside"):
-        jax.jit(functools.partial(coalesce, size=10))(np.array([-1], np.int32), np.ones(1, np.float32)).nnz \
-            .block_until_ready()
-    with pytest.raises(ERRORS, match="coalesce: the pairs hold 3 distinct indices but capacity is 2; pass a larger"):
-        coalesce(np.array([1, 2, 3, 3], np.int32), np.ones(4, np.float32), size=10, capacity=2).nnz.block_until_ready()
+@pytest.mark.parametrize("bad,position", [(11, 1), (-1, 0), (2**31 - 1, 2)])
+def test_coalesce_out_of_range_index_gives_a_stream_every_consumer_rejects(bad, position):
+    idx = np.array([2, 3, 4, 10], np.int32)
+    idx[position] = bad
+    val = np.arange(1, 5, dtype=np.float32)
+    fn = jax.jit(functools.partial(coalesce, size=10, capacity=3))
+    for s in (coalesce(idx, val, size=10, capacity=3), fn(idx, val)):
+        assert_stream_equals(s, np.array([bad, 10, 10], np.int32), np.array([val[position], 0, 0], np.float32), 1)
+        assert_same_stream(s, coalesce_reference(jnp.asarray(idx), jnp.asarray(val), 10, 3))
+        with pytest.raises(ERRORS, match=rf"indices must lie in \[0, n=10\); found {bad} \(coalesce keeps the first "
+                                         r"index outside \[0, size\] it finds\); fix the indices"):
+            s.to_dense().block_until_ready()
+
+
+def test_coalesce_capacity_overflow_keeps_the_first_indices_and_the_true_count():
+    s = coalesce(np.array([3, 1, 2, 3], np.int32), np.ones(4, np.float32), size=10, capacity=2)
+    assert_stream_equals(s, np.array([1, 2], np.int32), np.array([1, 1], np.float32), 3)
+    with pytest.raises(ERRORS, match="nnz=3 exceeds its capacity 2"):
+        s.to_dense().block_until_ready()
+
 
 
 @pytest.mark.parametrize(
@@ -527,8 +541,8 @@ def _bad_streams():
         (SparseStream(good.indices.at[2].set(3), good.values, good.nnz, 10), "stream: indices must be strictly increasing"),
         (SparseStream(good.indices.at[2].set(10), good.values, good.nnz, 10), r"stream: indices must lie in \[0, n=10\)"),
         (SparseStream(good.indices.at[0].set(-1), good.values, good.nnz, 10), r"stream: indices must lie in \[0, n=10\); found -1"),
-        (SparseStream(good.indices, good.values, jnp.int32(6), 10), r"stream: nnz=6 is outside \[0, capacity=5\]"),
-        (SparseStream(good.indices, good.values, jnp.int32(-1), 10), r"stream: nnz=-1 is outside"),
+        (SparseStream(good.indices, good.values, jnp.int32(6), 10), r"stream: nnz=6 exceeds its capacity 5"),
+        (SparseStream(good.indices, good.values, jnp.int32(-1), 10), r"stream: nnz=-1 is negative"),
     ]
 
 
@@ -549,7 +563,7 @@ def test_bad_streams_raise_at_run_time(case):
     ([3, 1, 5], 2, "indices: indices must be strictly increasing"),
     ([2, 5, 10], 3, r"indices: indices must lie in \[0, n=10\)"),
     ([-3, 5, 9], 3, r"indices: indices must (lie in|be strictly)"),
-    ([1, 2, 3], 4, r"indices: nnz=4 is outside \[0, capacity=3\]"),
+    ([1, 2, 3], 4, r"indices: nnz=4 exceeds its capacity 3"),
 ])
 def test_gather_bad_indices_raise_at_run_time(indices, nnz, match):
     with pytest.raises(ERRORS, match=match):

@@ -86,9 +86,11 @@ def test_nan_and_inf_survive_and_negative_zero_is_zero():
         assert int(s.nnz) == 4
 
 
-def test_capacity_overflow_raises():
-    with pytest.raises(ERRORS, match="x has 5 nonzeros but capacity is 3; pass a larger capacity"):
-        from_dense_jit(3)(with_nonzeros(10, 5)).nnz.block_until_ready()
+def test_capacity_overflow_raises_where_the_stream_is_used():
+    s = from_dense_jit(3)(with_nonzeros(10, 5))
+    assert int(s.nnz) == 5
+    with pytest.raises(ERRORS, match="nnz=5 exceeds its capacity 3"):
+        to_dense_jit()(s).block_until_ready()
 
 
 def test_empty_stream():

@@ -6,13 +6,12 @@ namespace {
 ffi::Error FromDenseImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out_idx,
                          ffi::ResultBuffer<ffi::F32> out_val, ffi::ResultBufferR0<ffi::S32> out_nnz,
                          int64_t dense_threshold) {
-  char err[SPARCML_ERRLEN] = {0};
   int64_t nnz = 0;
-  int status = sparcml_from_dense(x.typed_data(), static_cast<int64_t>(x.element_count()), dense_threshold,
-                                  out_idx->typed_data(), out_val->typed_data(),
-                                  static_cast<int64_t>(out_idx->element_count()), &nnz, err);
+  sparcml_from_dense(x.typed_data(), static_cast<int64_t>(x.element_count()), dense_threshold,
+                     out_idx->typed_data(), out_val->typed_data(), static_cast<int64_t>(out_idx->element_count()),
+                     &nnz);
   out_nnz->typed_data()[0] = static_cast<int32_t>(nnz);
-  return sparcml::KernelError(status, err);
+  return ffi::Error::Success();
 }
 
 ffi::Error FromDenseCountedImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out_idx,

@@ -8,17 +8,26 @@ void sparcml_pad_tail(int32_t *indices, float *values, int64_t nnz, int64_t capa
   if (capacity > nnz) memset(values + nnz, 0, (size_t)(capacity - nnz) * sizeof(float));
 }
 
+/* coalesce passes an out-of-range index on (see partition.h), so this is where users meet it. */
+#define OUT_OF_RANGE_HINT " (coalesce keeps the first index outside [0, size] it finds); fix the indices"
+
 int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, int64_t capacity,
                          int64_t n, char *err) {
-  if (nnz < 0 || nnz > capacity) {
-    snprintf(err, SPARCML_ERRLEN, "%s: nnz=%lld is outside [0, capacity=%lld]; build the stream with a larger capacity",
+  if (nnz < 0) {
+    snprintf(err, SPARCML_ERRLEN, "%s: nnz=%lld is negative", name, (long long)nnz);
+    return 1;
+  }
+  if (nnz > capacity) {
+    snprintf(err, SPARCML_ERRLEN,
+             "%s: nnz=%lld exceeds its capacity %lld (from_dense and coalesce return the true count when it does not "
+             "fit); pass a larger capacity where the stream is built",
              name, (long long)nnz, (long long)capacity);
     return 1;
   }
   if (nnz == n) return 0; /* dense representation: indices are implicit */
   if (nnz > 0 && indices[0] < 0) {
-    snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld", name, (long long)n,
-             (long long)indices[0]);
+    snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld%s", name, (long long)n,
+             (long long)indices[0], OUT_OF_RANGE_HINT);
     return 1;
   }
   /* The common case (valid) runs as one branch-free pass; the position is found only on failure. */
@@ -35,8 +44,8 @@ int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, 
     }
   }
   if (nnz > 0 && indices[nnz - 1] >= n) {
-    snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld", name, (long long)n,
-             (long long)indices[nnz - 1]);
+    snprintf(err, SPARCML_ERRLEN, "%s: indices must lie in [0, n=%lld); found %lld%s", name, (long long)n,
+             (long long)indices[nnz - 1], OUT_OF_RANGE_HINT);
     return 1;
   }
   return 0;

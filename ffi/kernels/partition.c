@@ -41,9 +41,9 @@ static int64_t append_nonzeros(const float *x, int64_t n, int64_t *from, int32_t
   return o;
 }
 
-int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
-                       int64_t out_cap, int64_t *out_nnz, char *err) {
-  /* Counting first keeps this pass branch-free (vectorizable) and lets us fail before writing. */
+void sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
+                        int64_t out_cap, int64_t *out_nnz) {
+  /* Counting first keeps this pass branch-free (vectorizable) and decides the representation. */
   int64_t count = 0;
   for (int64_t i = 0; i < n; ++i) count += x[i] != 0.0f;
 
@@ -52,18 +52,12 @@ int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32
     iota_i32(out_idx, n);
     sparcml_pad_tail(out_idx, out_val, n, out_cap, n);
     *out_nnz = n;
-    return 0;
+    return;
   }
-  if (count > out_cap) {
-    snprintf(err, SPARCML_ERRLEN, "from_dense: x has %lld nonzeros but capacity is %lld; pass a larger capacity",
-             (long long)count, (long long)out_cap);
-    return 1;
-  }
-  int64_t from = 0;
-  append_nonzeros(x, n, &from, out_idx, out_val, 0, count);
-  sparcml_pad_tail(out_idx, out_val, count, out_cap, n);
+  int64_t from = 0, kept = count < out_cap ? count : out_cap;
+  append_nonzeros(x, n, &from, out_idx, out_val, 0, kept);
+  sparcml_pad_tail(out_idx, out_val, kept, out_cap, n);
   *out_nnz = count;
-  return 0;
 }
 
 void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap,
@@ -111,11 +105,13 @@ int sparcml_coalesce(const int32_t *idx, const float *val, int64_t m, int64_t n,
   int64_t kept = 0;
   for (int64_t i = 0; i < m; ++i) {
     if (idx[i] < 0 || idx[i] > n) {
-      snprintf(err, SPARCML_ERRLEN,
-               "coalesce: indices[%lld] = %d lies outside [0, size] with size = %lld (size itself marks padding); "
-               "fix the indices or the size",
-               (long long)i, idx[i], (long long)n);
-      return 1;
+      if (out_cap > 0) {
+        out_idx[0] = idx[i];
+        out_val[0] = val[i];
+      }
+      sparcml_pad_tail(out_idx, out_val, 1, out_cap, n);
+      *out_nnz = 1;
+      return 0;
     }
     kept += idx[i] < n;
   }
@@ -143,28 +139,24 @@ int sparcml_coalesce(const int32_t *idx, const float *val, int64_t m, int64_t n,
       sum[distinct++] = sum[i];
     }
   }
-  int status = 0;
   if (distinct >= dense_threshold && out_cap >= n) {
     if (n > 0) memset(out_val, 0, (size_t)n * sizeof(float));
     for (int64_t j = 0; j < distinct; ++j) out_val[key[j]] = sum[j];
     iota_i32(out_idx, n);
     sparcml_pad_tail(out_idx, out_val, n, out_cap, n);
     *out_nnz = n;
-  } else if (distinct > out_cap) {
-    snprintf(err, SPARCML_ERRLEN, "coalesce: the pairs hold %lld distinct indices but capacity is %lld; "
-             "pass a larger capacity", (long long)distinct, (long long)out_cap);
-    status = 1;
   } else {
-    if (distinct > 0) {
-      memcpy(out_idx, key, (size_t)distinct * sizeof(int32_t));
-      memcpy(out_val, sum, (size_t)distinct * sizeof(float));
+    int64_t stored = distinct < out_cap ? distinct : out_cap;
+    if (stored > 0) {
+      memcpy(out_idx, key, (size_t)stored * sizeof(int32_t));
+      memcpy(out_val, sum, (size_t)stored * sizeof(float));
     }
-    sparcml_pad_tail(out_idx, out_val, distinct, out_cap, n);
+    sparcml_pad_tail(out_idx, out_val, stored, out_cap, n);
     *out_nnz = distinct;
   }
   free(key);
   free(sum);
-  return status;
+  return 0;
 }
 
 int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, const float *dense,

@@ -9,23 +9,29 @@
 extern "C" {
 #endif
 
-/* The nonzeros of x[0..n) (x != 0: NaN counts, -0.0 does not) in index order.
- * The result is the dense representation when the count reaches dense_threshold and
- * out_cap >= n; otherwise it stays sparse and a count above out_cap is an error.
- * Output tail is padded (see common.h). */
 /* One pass: the first min(count, out_cap) nonzeros of x as pairs (never the dense form), and
  * the true count, so that callers can detect an overflow collectively instead of failing. */
 void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap,
                                 int64_t *out_nnz, int64_t *count);
 
-int sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
-                       int64_t out_cap, int64_t *out_nnz, char *err);
+/* The nonzeros of x[0..n) (x != 0: NaN counts, -0.0 does not) in index order.
+ * The result is the dense representation when the count reaches dense_threshold and
+ * out_cap >= n. Output tail is padded (see common.h).
+ * A count above out_cap does not fail here: the first out_cap nonzeros are kept and *out_nnz is
+ * the true count, an invalid stream that every consumer rejects (sparcml_check_stream). A failure
+ * here would stop this rank before a collective that its peers have entered; the stream instead
+ * reaches the collective's validation, which makes every rank raise. */
+void sparcml_from_dense(const float *x, int64_t n, int64_t dense_threshold, int32_t *out_idx, float *out_val,
+                        int64_t out_cap, int64_t *out_nnz);
 
 /* The stream of sum_i val[i] e_{idx[i]} over a length-n vector: pairs in any order, duplicate
- * indices summed (in input order), index n marks a pair to drop (padding). Indices outside [0, n]
- * are an error. Dense representation and capacity as in sparcml_from_dense, counting distinct
- * indices. This is how naturally sparse gradients (embedding rows, sparse features) become streams
- * without a pass over the dense vector. */
+ * indices summed (in input order), index n marks a pair to drop (padding). Dense representation
+ * and capacity as in sparcml_from_dense, counting distinct indices. This is how naturally sparse
+ * gradients (embedding rows, sparse features) become streams without a pass over the dense vector.
+ * Bad input yields an invalid stream, for the reason given at sparcml_from_dense: more distinct
+ * indices than out_cap keep the first out_cap with *out_nnz the true count; an index outside
+ * [0, n] becomes the one-pair stream (that index, its value). The return is nonzero (with err)
+ * only when scratch memory cannot be had. */
 int sparcml_coalesce(const int32_t *idx, const float *val, int64_t m, int64_t n, int64_t dense_threshold,
                      int32_t *out_idx, float *out_val, int64_t out_cap, int64_t *out_nnz, char *err);
 

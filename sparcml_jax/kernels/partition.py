@@ -77,8 +77,12 @@ def from_dense(x: jax.Array, capacity: int | None = None, delta: float = 1.0) ->
 
     NaN counts as nonzero, ``-0.0`` and subnormals (XLA:CPU flushes them) as zero. ``capacity`` (static, default ``x.size``) is the
     length of the pair buffers. When the count reaches ``dense_threshold(x.size, delta)`` and
-    ``capacity >= x.size`` the result is the dense representation (``nnz == size``). More
-    nonzeros than ``capacity`` (when the dense form is not possible) raise at run time.
+    ``capacity >= x.size`` the result is the dense representation (``nnz == size``).
+
+    More nonzeros than ``capacity`` (when the dense form is not possible) give an invalid stream:
+    the first ``capacity`` nonzeros with ``nnz`` the true count. Every consumer (``to_dense``,
+    ``merge``, the collectives) raises on it, and a collective raises on every rank. Raising here
+    instead would stop only this rank, leaving its peers blocked in the collective.
 
     Example:
       >>> import jax.numpy as jnp
@@ -150,7 +154,7 @@ def from_dense_counted(x: jax.Array, capacity: int) -> tuple[SparseStream, jax.A
 
 
 def from_dense_reference(x: jax.Array, capacity: int | None = None, delta: float = 1.0) -> SparseStream:
-    """Pure-jnp :func:`from_dense` (no validation: more nonzeros than ``capacity`` keep the first ones)."""
+    """Pure-jnp :func:`from_dense`."""
     size = x.shape[0]
     capacity = size if capacity is None else capacity
     nonzero = x != 0
@@ -158,7 +162,7 @@ def from_dense_reference(x: jax.Array, capacity: int | None = None, delta: float
     (positions,) = jnp.nonzero(nonzero, size=capacity, fill_value=size)
     positions = positions.astype(INDEX_DTYPE)
     values = _take_or_zero(x, positions)
-    nnz = jnp.minimum(count, capacity).astype(INDEX_DTYPE)
+    nnz = count
     if capacity < size:
         return SparseStream(positions, values, nnz, size)
     go_dense = count >= dense_threshold(size, delta)
@@ -183,10 +187,15 @@ def coalesce(indices: jax.Array, values: jax.Array, size: int, capacity: int | N
     looked-up entries, in O(m log N) for m pairs instead of a pass over all ``size`` entries: the
     naturally sparse case of SparCML §8.2 (sparse features, embeddings). ``indices`` and
     ``values`` have the same shape (any rank; they are flattened). An index equal to ``size``
-    marks padding and is dropped, as in a stream's tail; any other index outside ``[0, size)``
-    is an error. Repeats are summed in input order. ``capacity`` (static, default the number of
-    pairs) bounds the distinct indices; with ``capacity >= size`` and at least
-    ``dense_threshold(size, delta)`` of them the result is the dense representation.
+    marks padding and is dropped, as in a stream's tail. Repeats are summed in input order.
+    ``capacity`` (static, default the number of pairs) bounds the distinct indices; with
+    ``capacity >= size`` and at least ``dense_threshold(size, delta)`` of them the result is the
+    dense representation.
+
+    Bad input gives an invalid stream that every consumer rejects, on every rank in a collective
+    (see :func:`from_dense`): an index outside ``[0, size]`` gives the one-pair stream of the
+    first such index, and more distinct indices than ``capacity`` keep the first ``capacity``
+    with ``nnz`` the true count.
 
     Example:
       >>> import jax.numpy as jnp
@@ -225,10 +234,23 @@ def coalesce(indices: jax.Array, values: jax.Array, size: int, capacity: int | N
 
 def coalesce_reference(indices: jax.Array, values: jax.Array, size: int, capacity: int | None = None,
                        delta: float = 1.0) -> SparseStream:
-    """Pure-jnp :func:`coalesce` (no validation: out-of-range indices and pairs past ``capacity`` are dropped)."""
+    """Pure-jnp :func:`coalesce`."""
     idx, val = indices.ravel(), values.ravel().astype(VALUE_DTYPE)
     m = idx.shape[0]
     capacity = m if capacity is None else capacity
+    stream = _coalesce_valid_reference(idx, val, size, capacity, delta)
+    if m == 0:
+        return stream
+    outside = (idx < 0) | (idx > size)
+    first_bad = jnp.argmax(outside)
+    head = jnp.arange(capacity) == 0
+    poisoned = SparseStream(jnp.where(head, idx[first_bad], size).astype(INDEX_DTYPE),
+                            jnp.where(head, val[first_bad], 0.0).astype(VALUE_DTYPE), jnp.int32(1), size)
+    return jax.tree.map(lambda bad, good: jnp.where(jnp.any(outside), bad, good), poisoned, stream)
+
+
+def _coalesce_valid_reference(idx: jax.Array, val: jax.Array, size: int, capacity: int, delta: float) -> SparseStream:
+    m = idx.shape[0]
     order = jnp.argsort(idx, stable=True)
     idx, val = idx[order].astype(INDEX_DTYPE), val[order]
     kept = (idx >= 0) & (idx < size)
@@ -237,7 +259,7 @@ def coalesce_reference(indices: jax.Array, values: jax.Array, size: int, capacit
     distinct = jnp.sum(first, dtype=INDEX_DTYPE)
     out_idx = jnp.full((capacity,), size, INDEX_DTYPE).at[jnp.where(first, slot, capacity)].set(idx, mode="drop")
     out_val = jnp.zeros((capacity,), VALUE_DTYPE).at[slot].add(val, mode="drop")
-    nnz = jnp.minimum(distinct, capacity)
+    nnz = distinct
     if capacity < size:
         return SparseStream(out_idx, out_val, nnz, size)
     dense = jnp.zeros((size,), VALUE_DTYPE).at[jnp.where(kept, idx, size)].add(val, mode="drop")

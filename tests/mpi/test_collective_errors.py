@@ -152,8 +152,8 @@ BAD_KINDS = {  # kind: text of the error on the bad rank
     "duplicate": "strictly increasing",
     "out_of_range": "must lie in [0, n=1000)",
     "negative_index": "must lie in [0, n=1000)",
-    "nnz_over_capacity": "outside [0, capacity=24]",
-    "negative_nnz": "outside [0, capacity=24]",
+    "nnz_over_capacity": "nnz=25 exceeds its capacity 24",
+    "negative_nnz": "nnz=-1 is negative",
 }
 
 
@@ -184,6 +184,40 @@ def test_bad_stream_on_one_rank_inside_user_jit():
         assert_recovered("ssar_split_allgather")
         run_and_agree(lambda: [] if np.array_equal(np.asarray(step(good.stream)), good.total) else ["wrong sum"],
                       "the same jitted step with a good stream")
+
+
+BUILT_IN_THE_STEP = {  # how the bad rank's stream goes wrong inside the step: its error there
+    "from_dense over capacity": "nnz=12 exceeds its capacity 8",
+    "coalesce over capacity": "nnz=12 exceeds its capacity 8",
+    "coalesce out of range": f"found {SIZE + 1} (coalesce keeps the first index outside",
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", list(BUILT_IN_THE_STEP))
+def test_stream_built_badly_in_the_step_raises_everywhere(case, transport):
+    """from_dense and coalesce run on each rank before the collective, so they must not raise
+    there: the bad rank would stop while its peers wait in the collective. Their invalid stream
+    reaches the collective's validation instead, in the same jitted program."""
+    @jax.jit
+    def step(x, idx, val):
+        if case.startswith("from_dense"):
+            s = sparcml_jax.from_dense(x, capacity=8)
+        else:
+            s = sparcml_jax.coalesce(idx, val, size=SIZE, capacity=8)
+        return sparse_allreduce(s, algorithm="ssar_recursive_doubling", transport=transport).to_dense()
+
+    count = 12 if RANK == BAD_RANK else 5
+    idx = (np.arange(count, dtype=np.int32) * 7 + RANK) % SIZE
+    if case == "coalesce out of range" and RANK == BAD_RANK:
+        idx[3] = SIZE + 1
+    val = np.ones(count, np.float32)
+    x = np.zeros(SIZE, np.float32)
+    x[idx % SIZE] = 1.0
+    want = BUILT_IN_THE_STEP[case] if RANK == BAD_RANK else "another rank"
+    expect_error_everywhere(lambda: step(x, idx, val), want, f"{case} ({transport})")
+    sparcml_jax.reset_after_error()
+    assert_recovered(transport=transport)
 
 
 def test_reset_after_error_recovers_from_an_async_failure():
