@@ -27,10 +27,12 @@ build: install
 OVERSUBSCRIBED := MPIR_CVAR_POLLS_BEFORE_YIELD=1 MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 \
 	MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=1
 
-# XLA:CPU allocates each run's temporaries afresh; glibc serves blocks this large with mmap, so
-# every step page-faults its 16 MB buffers back in (measured: half the demo's step time). These
-# keep freed memory in the heap instead, for both runs alike.
-KEEP_HEAP := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296
+# XLA:CPU allocates each run's buffers afresh, and glibc returns them to the kernel on free, so
+# every step page-faults its 16 MB buffers back in (measured: half the demo's step time). glibc
+# would serve such blocks with mmap (MMAP_MAX), trim the main heap (TRIM_THRESHOLD) and delete a
+# worker thread's heap once it is empty (TOP_PAD: 2.36 keeps a heap whose free space is below it).
+# These keep freed memory in the heap instead, for both runs alike.
+KEEP_HEAP := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=67108864
 
 # The main job: the URL-like logistic regression, sparse beside dense, on $(NP) ranks.
 demo: build

@@ -11,7 +11,10 @@ HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(dirname "$HERE"); VENV="$ROOT/.venv"
 export PATH="$VENV/bin:$PATH"
 "$HERE/nscluster.sh" up "$P" "$RATE" >/dev/null
 before=$("$HERE/nscluster.sh" bytes)
-"$HERE/nscluster.sh" run -n "$P" -genv JAX_PLATFORMS cpu -- "$VENV/bin/python" -m sparcml_jax.bench allreduce \
+# KEEP_HEAP of the Makefile (why: there).
+"$HERE/nscluster.sh" run -n "$P" -genv JAX_PLATFORMS cpu -genv MALLOC_MMAP_MAX_ 0 \
+  -genv MALLOC_TRIM_THRESHOLD_ 4294967296 -genv MALLOC_TOP_PAD_ 67108864 \
+  -- "$VENV/bin/python" -m sparcml_jax.bench allreduce \
   --network "$RATE" --json "$OUT" "$@"
 sent=$(( $("$HERE/nscluster.sh" bytes) - before ))
 "$VENV/bin/python" - "$OUT" "$sent" "$P" <<'PY'
