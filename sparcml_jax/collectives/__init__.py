@@ -166,6 +166,9 @@ def _price(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, x
       streams through every round, measured at 3-17x the prediction (2^22 values, 50 %, P = 2, 4).
     * The split algorithms on the mpi4jax transport: they move P whole static buffers and stage
       them through XLA, measured at 3-16x their prediction in the same cells.
+
+    The mpi4jax transport moves whole buffers, so there the fill-in is that of the capacities
+    (recursive doubling on streams of capacity N at 10 %, P = 4: 168 ms against 21 ms dense).
     """
     cost = _predict(cost_model, plan, s, name, nnz, xp)
     if plan.nprocs == 1:
@@ -175,7 +178,8 @@ def _price(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, x
     if not name.startswith("ssar"):
         return cost
     n = max(s.size, 1)
-    union = n * (1.0 - (1.0 - xp.minimum(nnz, n) / n) ** plan.nprocs)
+    moved = s.capacity if plan.transport.NAME == "mpi4jax" else nnz
+    union = n * (1.0 - (1.0 - xp.minimum(moved, n) / n) ** plan.nprocs)
     return xp.where(union >= dense_threshold(s.size, plan.delta), xp.inf, cost)
 
 
@@ -185,11 +189,13 @@ def _static_choice(plan: Plan, s: SparseStream, cost_model: CostModel) -> str | 
     A capacity too small for the dense form was sized for the data (top-k streams fill it), so
     its price is the price. A capacity that allows the dense form says little about the actual
     count: a sparse winner at that bound stays the winner for fewer nonzeros, anything else is
-    decided at run time on the global nnz.
+    decided at run time on the global nnz. The mpi4jax transport's prices depend on the
+    capacities alone (it moves whole buffers), so its choice is always static.
     """
     costs = {name: float(_price(cost_model, plan, s, name, s.capacity, np)) for name in _candidates(plan)}
     best = min(costs, key=costs.get)
-    if not can_switch_to_dense(s.capacity, s.size, plan.delta) or best.startswith("ssar"):
+    if (plan.transport.NAME == "mpi4jax" or not can_switch_to_dense(s.capacity, s.size, plan.delta)
+            or best.startswith("ssar")):
         return best
     return None
 

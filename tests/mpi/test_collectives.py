@@ -37,6 +37,10 @@ from _util import (
 )
 
 from sparcml_jax import ALGORITHMS, SparseStream, sparse_allgather, sparse_allreduce
+from sparcml_jax.collectives import _static_choice
+from sparcml_jax.collectives._plan import Plan
+from sparcml_jax.collectives.cost_model import CostModel
+from sparcml_jax.comm import get_transport
 
 DENSITIES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0)
 SUPPORTS = ("random", "identical", "unequal", "nested")
@@ -382,3 +386,26 @@ def test_rank_count_and_input_sanity():
         return out
 
     run_and_agree(body, "input sanity")
+
+
+@pytest.mark.skipif(NPROCS < 2, reason="one rank has nothing to choose")
+def test_auto_on_mpi4jax_prices_the_capacity_and_chooses_at_trace_time():
+    """The mpi4jax transport moves whole static buffers, so a stream of capacity N costs a dense
+    vector per message however few nonzeros it holds: auto must not run recursive doubling on it
+    (measured 8x the dense allreduce at N = 2^22, P = 4), and since its prices then depend on
+    capacities alone it chooses while tracing, without the run-time switch the native transport
+    needs (checked on the same stream and model, so the test can tell them apart)."""
+    model = CostModel(alpha=1e-5, beta=1e-9, dense_alpha=1e-5, dense_beta=2.5e-10, pair_cost=5e-9,
+                      element_cost=2.5e-10)
+    inp = inputs("full", 1e-3, "random")
+    failures = []
+    out, stats = sparse_allreduce(inp.stream, transport="mpi4jax", cost_model=model, return_stats=True)
+    if ALGORITHMS[int(stats.algorithm)] != "dense":
+        failures.append(f"mpi4jax chose {ALGORITHMS[int(stats.algorithm)]} for a capacity-N stream")
+    if not np.array_equal(np.asarray(out.to_dense()), inp.total):
+        failures.append("wrong sum")
+    for transport, static in (("mpi4jax", "dense"), ("native", None)):
+        choice = _static_choice(Plan(COMM, get_transport(transport), 1.0), inp.stream, model)
+        if choice != static:
+            failures.append(f"{transport}: chose {choice!r} while tracing, expected {static!r}")
+    agree_all(failures, "auto on the mpi4jax transport")
