@@ -18,6 +18,7 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
     rows = json.loads(out.read_text())
     assert rows and all(ROW_KEYS <= set(r) for r in rows)
     assert {r["algorithm"] for r in rows} >= {"dense mpi4jax", "mpi4py Allreduce (numpy)", "naive allgather+sum",
+                                              "allgather+dense sum (DGC)",
                                               "ssar_recursive_doubling", "ssar_split_allgather",
                                               "dsar_split_allgather", "auto"}
     for r in rows:
