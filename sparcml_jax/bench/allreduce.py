@@ -137,8 +137,10 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             if name[0] in ALGORITHMS or name[0] == "auto":
                 predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
                                                 transport=name[1], capacity=k))
-            elif name[0].startswith(("dense", "mpi4py")):
-                predicted = float(model.predict("dense", size=size, nnz=k, nprocs=nprocs))
+            elif name[0].startswith("dense"):
+                predicted = model.dense_baseline(size, nprocs)
+            elif name[0].startswith("mpi4py"):  # outside JAX
+                predicted = model.dense_baseline(size, nprocs) - model.call_overhead
             else:
                 predicted = None
             rows.append(dict(
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       progress=_progress_bar if comm.Get_rank() == 0 else None)
     if comm.Get_rank() == 0:
         print(f"P={comm.Get_size()}  calibrated alpha={model.alpha * 1e6:.1f} us  "
-              f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)")
+              f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)  "
+              f"jitted call overhead={model.call_overhead * 1e6:.0f} us")
         print_table(
             ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
              "MB sent/rank", "result density", "model"],

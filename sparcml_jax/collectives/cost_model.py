@@ -40,6 +40,9 @@ class CostModel:
         slowest rank's median.
       element_cost: seconds per element of a pass over a length-N vector (densify, padding, a
         result buffer), measured the same way.
+      call_overhead: what one jitted collective adds around its MPI calls (dispatch, JAX's
+        ordered-effect token, output buffers): a jitted mpi4jax allreduce of two floats minus
+        the same MPI_Allreduce from mpi4py. Paid once per call, whatever the algorithm.
     """
 
     alpha: float
@@ -48,6 +51,7 @@ class CostModel:
     dense_beta: float = 0.0
     pair_cost: float = 0.0
     element_cost: float = 0.0
+    call_overhead: float = 0.0
 
     @classmethod
     def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 4 << 20, large_reps: int = 5,
@@ -62,7 +66,8 @@ class CostModel:
         d_small, d_large = _allreduce_seconds(comm, 2, small_reps), _allreduce_seconds(comm, dense_bytes // 4)
         dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
-        numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost)
+        overhead = max(_jitted_allreduce_seconds(comm, small_reps) - d_small, 0.0)
+        numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead)
         return cls(*comm.bcast(numbers, root=0))
 
     def latency(self, nprocs: int) -> float:
@@ -80,9 +85,24 @@ class CostModel:
     def predict(self, algorithm: str, *, size: int, nnz, nprocs: int, transport: str = "native",
                 capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0, xp=np):
         """Predicted seconds of one allreduce; ``nnz`` is the largest per-rank count (scalar or traced)."""
-        n, p = float(size), nprocs
-        if p == 1:
+        if nprocs == 1:
             return xp.asarray(0.0)
+        # Every algorithm starts with the agreement step (a small allgather); all but the dense
+        # one end with the status check (a small allreduce).
+        steps = self.dense_alpha * (1 if algorithm == "dense" else 2)
+        return self.call_overhead + steps + self._communication(
+            algorithm, size=size, nnz=nnz, nprocs=nprocs, transport=transport, capacity=capacity,
+            quantize_bits=quantize_bits, delta=delta, xp=xp)
+
+    def dense_baseline(self, size: int, nprocs: int) -> float:
+        """Predicted seconds of :func:`sparcml_jax.dense_allreduce` of ``size`` float32, jitted."""
+        if nprocs == 1:
+            return 0.0
+        return self.call_overhead + self.dense_alpha + 4.0 * size * self.dense_beta
+
+    def _communication(self, algorithm: str, *, size: int, nnz, nprocs: int, transport: str,
+                       capacity: int | None, quantize_bits: int | None, delta: float, xp):
+        n, p = float(size), nprocs
         static = transport == "mpi4jax"
         k = xp.asarray(float(capacity) if static and capacity is not None else nnz, dtype=xp.float32)
         dense_bytes = 4.0 * n
@@ -159,6 +179,19 @@ def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
     """Median time of an MPI_Allreduce of ``count`` float32 (max over ranks)."""
     buf, out = np.ones(count, np.float32), np.empty(count, np.float32)
     return _slowest_rank_median(comm, lambda: comm.Allreduce(buf, out, op=MPI.SUM), reps)
+
+
+def _jitted_allreduce_seconds(comm: MPI.Comm, reps: int) -> float:
+    """:func:`_allreduce_seconds` of two floats, called as a jitted mpi4jax allreduce (on a fresh
+    thread: the calibration may run while the caller's step is being traced)."""
+    import jax
+    import jax.numpy as jnp
+    import mpi4jax
+
+    call = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm))
+    x = jnp.ones(2, jnp.float32)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_slowest_rank_median, comm, lambda: jax.block_until_ready(call(x)), reps).result()
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
