@@ -188,10 +188,13 @@ def _jitted_allreduce_seconds(comm: MPI.Comm, reps: int) -> float:
     import jax.numpy as jnp
     import mpi4jax
 
-    call = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm))
-    x = jnp.ones(2, jnp.float32)
+    def measure() -> float:  # everything on the fresh thread: here jnp.ones would be a tracer
+        call = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm))
+        x = jnp.ones(2, jnp.float32)
+        return _slowest_rank_median(comm, lambda: jax.block_until_ready(call(x)), reps)
+
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(_slowest_rank_median, comm, lambda: jax.block_until_ready(call(x)), reps).result()
+        return pool.submit(measure).result()
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
