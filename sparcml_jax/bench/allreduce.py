@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if comm.Get_rank() == 0:
         print(f"P={comm.Get_size()}  calibrated alpha={model.alpha * 1e6:.1f} us  "
               f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)  "
-              f"jitted call overhead={model.call_overhead * 1e6:.0f} us")
+              f"jitted call overhead={model.call_overhead * 1e6:.0f} us  "
+              f"agreement + check={model.fixed_cost * 1e6:.0f} us")
         print_table(
             ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
              "MB sent/rank", "result density", "model"],

@@ -40,9 +40,11 @@ class CostModel:
         slowest rank's median.
       element_cost: seconds per element of a pass over a length-N vector (densify, padding, a
         result buffer), measured the same way.
-      call_overhead: what one jitted collective adds around its MPI calls (dispatch, JAX's
-        ordered-effect token, output buffers): a jitted mpi4jax allreduce of two floats minus
-        the same MPI_Allreduce from mpi4py. Paid once per call, whatever the algorithm.
+      call_overhead: what calling a collective from JAX adds around its MPI calls (dispatch,
+        JAX's ordered-effect token, output buffers): a jitted mpi4jax allreduce of two floats
+        minus the same MPI_Allreduce from mpi4py.
+      fixed_cost: what every sparse collective pays whatever it sends: a jitted program of just
+        its agreement step (a small allgather) and its status check (a small allreduce).
     """
 
     alpha: float
@@ -52,6 +54,7 @@ class CostModel:
     pair_cost: float = 0.0
     element_cost: float = 0.0
     call_overhead: float = 0.0
+    fixed_cost: float = 0.0
 
     @classmethod
     def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 4 << 20, large_reps: int = 5,
@@ -66,8 +69,9 @@ class CostModel:
         d_small, d_large = _allreduce_seconds(comm, 2, small_reps), _allreduce_seconds(comm, dense_bytes // 4)
         dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
-        overhead = max(_jitted_allreduce_seconds(comm, small_reps) - d_small, 0.0)
-        numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead)
+        overhead = max(_jitted_seconds(comm, "allreduce", small_reps) - d_small, 0.0)
+        fixed = _jitted_seconds(comm, "agreement", small_reps)
+        numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead, fixed)
         return cls(*comm.bcast(numbers, root=0))
 
     def latency(self, nprocs: int) -> float:
@@ -87,10 +91,7 @@ class CostModel:
         """Predicted seconds of one allreduce; ``nnz`` is the largest per-rank count (scalar or traced)."""
         if nprocs == 1:
             return xp.asarray(0.0)
-        # Every algorithm starts with the agreement step (a small allgather); all but the dense
-        # one end with the status check (a small allreduce).
-        steps = self.dense_alpha * (1 if algorithm == "dense" else 2)
-        return self.call_overhead + steps + self._communication(
+        return self.fixed_cost + self._communication(
             algorithm, size=size, nnz=nnz, nprocs=nprocs, transport=transport, capacity=capacity,
             quantize_bits=quantize_bits, delta=delta, xp=xp)
 
@@ -181,17 +182,30 @@ def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
     return _slowest_rank_median(comm, lambda: comm.Allreduce(buf, out, op=MPI.SUM), reps)
 
 
-def _jitted_allreduce_seconds(comm: MPI.Comm, reps: int) -> float:
-    """:func:`_allreduce_seconds` of two floats, called as a jitted mpi4jax allreduce (on a fresh
-    thread: the calibration may run while the caller's step is being traced)."""
+def _jitted_seconds(comm: MPI.Comm, program: str, reps: int) -> float:
+    """Slowest rank's median time of a small jitted program: ``"allreduce"``, an mpi4jax
+    allreduce of two floats, or ``"agreement"``, the agreement step and status check of a sparse
+    collective on an empty stream. Run on a fresh thread: the calibration may run while the
+    caller's step is being traced."""
     import jax
     import jax.numpy as jnp
     import mpi4jax
 
+    from sparcml_jax.collectives._agree import signature
+    from sparcml_jax.comm import native
+    from sparcml_jax.stream import SparseStream
+
+    def agreement(s: SparseStream):
+        summary = native.summary(s, comm=comm, signature=signature("allreduce", size=s.size))
+        native.check(summary[0] * 0, comm=comm)
+        return summary
+
     def measure() -> float:  # everything on the fresh thread: here jnp.ones would be a tracer
-        call = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm))
-        x = jnp.ones(2, jnp.float32)
-        return _slowest_rank_median(comm, lambda: jax.block_until_ready(call(x)), reps)
+        if program == "allreduce":
+            call, arg = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)), jnp.ones(2, jnp.float32)
+        else:
+            call, arg = jax.jit(agreement), SparseStream.empty(1, 1)
+        return _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(measure).result()
