@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparcml_jax import SparseStream, dense_threshold, merge, merge_reference
+from sparcml_jax import SparseStream, dense_threshold, from_dense, merge, merge_reference
 
 ERRORS = (ValueError, RuntimeError)
 
@@ -87,11 +87,24 @@ def test_bad_streams_raise_naming_argument(bad, match):
     assert "a:" in str(info.value)
 
 
-def test_capacity_overflow_raises():
+@pytest.mark.parametrize("dense_input", [False, True])
+def test_capacity_overflow_gives_a_stream_every_consumer_rejects(dense_input):
+    """The first ``capacity`` pairs of the sum and the true count, as the reference; raising here
+    would stop one rank before a collective its peers wait in."""
     rng = np.random.default_rng(4)
     a, b = random_stream(rng, 1000, 10), random_stream(rng, 1000, 10)
-    with pytest.raises(ERRORS, match="exceeds out_capacity"):
-        merge(a, b, capacity=5).nnz.block_until_ready()
+    if dense_input:
+        a = from_dense(np.asarray(a.to_dense()) + 1.0)
+    union = 1000 if dense_input else np.union1d(np.asarray(a.indices)[:10], np.asarray(b.indices)[:10]).size
+    out = merge(a, b, capacity=5)
+    assert int(out.nnz) == union
+    assert_same_stream(out, merge_reference(a, b, capacity=5))
+    want = np.asarray(a.to_dense()) + np.asarray(b.to_dense())
+    support = np.flatnonzero(want) if not dense_input else np.arange(1000)
+    np.testing.assert_array_equal(np.asarray(out.indices), support[:5])
+    np.testing.assert_array_equal(np.asarray(out.values), want[support[:5]])
+    with pytest.raises(ERRORS, match=f"nnz={union} exceeds its capacity 5"):
+        out.to_dense().block_until_ready()
 
 
 def test_mismatched_sizes_raise():
@@ -182,13 +195,19 @@ def test_long_merge_is_exact(kind):
         assert (np.asarray(out.indices)[n:] == size).all() and (np.asarray(out.values)[n:] == 0).all()
 
 
-def test_long_merge_overflow_raises():
+@pytest.mark.parametrize("short", [1, 17, 5000])
+def test_long_merge_overflow_keeps_the_first_pairs_and_the_true_count(short):
+    """The vectorized merge stops storing at the capacity (inside a tile or at its end) and counts on."""
     rng = np.random.default_rng(6)
     size, a_idx, b_idx = supports("overlapping", rng)
     union = len(np.union1d(a_idx, b_idx))
     a, b = stream_of(a_idx, float_values(rng, a_idx, b_idx), size), stream_of(b_idx, float_values(rng, b_idx, a_idx), size)
-    with pytest.raises(ERRORS, match=f"exceeds out_capacity={union - 1}"):
-        merge(a, b, capacity=union - 1).nnz.block_until_ready()
+    full = merge(a, b, capacity=union)
+    out = merge(a, b, capacity=union - short)
+    assert int(out.nnz) == union
+    np.testing.assert_array_equal(np.asarray(out.indices), np.asarray(full.indices)[:union - short])
+    np.testing.assert_array_equal(np.asarray(out.values).view(np.uint32),
+                                  np.asarray(full.values)[:union - short].view(np.uint32))
 
 
 @pytest.mark.parametrize("which,corrupt,match", [

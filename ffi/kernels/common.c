@@ -19,8 +19,8 @@ int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, 
   }
   if (nnz > capacity) {
     snprintf(err, SPARCML_ERRLEN,
-             "%s: nnz=%lld exceeds its capacity %lld (from_dense and coalesce return the true count when it does not "
-             "fit); pass a larger capacity where the stream is built",
+             "%s: nnz=%lld exceeds its capacity %lld (from_dense, coalesce and merge return the true count when it "
+             "does not fit); pass a larger capacity where the stream is built",
              name, (long long)nnz, (long long)capacity);
     return 1;
   }

@@ -22,28 +22,30 @@ static void add_sparse_into_dense(const int32_t *idx, const float *val, int64_t 
 }
 
 /* The portable merge, one pair per iteration (about 4 ns per pair on random supports: the branch
- * is unpredictable). Returns the count, -1 when it would exceed out_cap. */
+ * is unpredictable). Returns the union's count; only the first out_cap pairs are stored. */
 static int64_t merge_sparse(const int32_t *ai, const float *av, int64_t an, const int32_t *bi,
                             const float *bv, int64_t bn, int32_t *oi, float *ov, int64_t out_cap) {
   int64_t i = 0, j = 0, o = 0;
   while (i < an && j < bn) {
-    if (o == out_cap) return -1;
-    if (ai[i] < bi[j]) {
-      oi[o] = ai[i]; ov[o++] = av[i++];
-    } else if (bi[j] < ai[i]) {
-      oi[o] = bi[j]; ov[o++] = bv[j++];
-    } else {
-      oi[o] = ai[i]; ov[o++] = av[i++] + bv[j++];
+    int32_t idx = ai[i] <= bi[j] ? ai[i] : bi[j];
+    float v = ai[i] < bi[j] ? av[i++] : bi[j] < ai[i] ? bv[j++] : av[i++] + bv[j++];
+    if (o < out_cap) {
+      oi[o] = idx;
+      ov[o] = v;
     }
+    ++o;
   }
-  int64_t rest_a = an - i, rest_b = bn - j;
-  if (o + rest_a + rest_b > out_cap) return -1;
-  memcpy(oi + o, ai + i, (size_t)rest_a * sizeof(int32_t));
-  memcpy(ov + o, av + i, (size_t)rest_a * sizeof(float));
-  o += rest_a;
-  memcpy(oi + o, bi + j, (size_t)rest_b * sizeof(int32_t));
-  memcpy(ov + o, bv + j, (size_t)rest_b * sizeof(float));
-  return o + rest_b;
+  for (int k = 0; k < 2; ++k) {
+    const int32_t *ri = k ? bi + j : ai + i;
+    const float *rv = k ? bv + j : av + i;
+    int64_t rest = k ? bn - j : an - i, stored = o >= out_cap ? 0 : out_cap - o < rest ? out_cap - o : rest;
+    if (stored > 0) {
+      memcpy(oi + o, ri, (size_t)stored * sizeof(int32_t));
+      memcpy(ov + o, rv, (size_t)stored * sizeof(float));
+    }
+    o += rest;
+  }
+  return o;
 }
 
 #define MERGE_INVALID (-2) /* the fast merge found an input that is not a valid stream */
@@ -283,8 +285,8 @@ AVX512 static int merge_tile(const stream *a, const stream *b, int64_t a0, int64
 }
 
 /* The AVX-512 merge of two non-empty streams, validating them on the way (sorted, unique, inside
- * [0, n) with n < INT32_MAX so that every key is below NO_KEY). Returns the output count, -1 when
- * it would exceed out_cap, MERGE_INVALID for an invalid input. */
+ * [0, n) with n < INT32_MAX so that every key is below NO_KEY). Returns the union's count (only
+ * the first out_cap pairs are stored), or MERGE_INVALID for an invalid input. */
 AVX512 static int64_t merge_avx512(const stream *a, const stream *b, int64_t n, int32_t *oi, float *ov,
                                    int64_t out_cap) {
   if (a->idx[0] < 0 || a->idx[a->nnz - 1] >= n || b->idx[0] < 0 || b->idx[b->nnz - 1] >= n)
@@ -297,7 +299,7 @@ AVX512 static int64_t merge_avx512(const stream *a, const stream *b, int64_t n, 
     a0 += na;
     b0 += m - na;
   }
-  return e.count <= out_cap ? e.count : -1;
+  return e.count;
 }
 
 static int have_avx512(void) {
@@ -307,9 +309,9 @@ static int have_avx512(void) {
 }
 #endif
 
-/* Merge-sum of two sparse streams: the count, or -1 after writing the error. The inputs are
- * checked first (by the fast merge on the way; a failure there reruns the checks for their
- * message, and they also come before an overflow's, as in the portable path). */
+/* Merge-sum of two sparse streams: the union's count (the first out_cap pairs stored), or -1
+ * after writing the error. The inputs are checked by the fast merge on the way; a failure there
+ * reruns the checks for their message. */
 static int64_t merge_sparse_checked(const int32_t *a_idx, const float *a_val, int64_t a_nnz, int64_t a_cap,
                                     const int32_t *b_idx, const float *b_val, int64_t b_nnz, int64_t b_cap,
                                     int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap, char *err) {
@@ -320,17 +322,24 @@ static int64_t merge_sparse_checked(const int32_t *a_idx, const float *a_val, in
     count = merge_avx512(&a, &b, n, out_idx, out_val, out_cap);
   }
 #endif
-  if (count < 0) {
+  if (count == MERGE_INVALID) {
     if (sparcml_check_stream("a", a_idx, a_nnz, a_cap, n, err)) return -1;
     if (sparcml_check_stream("b", b_idx, b_nnz, b_cap, n, err)) return -1;
-  }
-  if (count == MERGE_INVALID)
     count = merge_sparse(a_idx, a_val, a_nnz, b_idx, b_val, b_nnz, out_idx, out_val, out_cap);
-  if (count < 0)
-    snprintf(err, SPARCML_ERRLEN,
-             "merge: the union of a (nnz=%lld) and b (nnz=%lld) exceeds out_capacity=%lld; raise the capacity",
-             (long long)a_nnz, (long long)b_nnz, (long long)out_cap);
+  }
   return count;
+}
+
+/* The first m entries of dense + other (other dense, or sparse) as a stream's first m pairs. */
+static void add_dense_prefix(const float *dense, const int32_t *other_idx, const float *other_val,
+                             int64_t other_nnz, int64_t n, int64_t m, int32_t *out_idx, float *out_val) {
+  if (m > 0) memcpy(out_val, dense, (size_t)m * sizeof(float));
+  if (other_nnz == n) {
+    for (int64_t i = 0; i < m; ++i) out_val[i] += other_val[i];
+  } else {
+    for (int64_t j = 0; j < other_nnz && other_idx[j] < m; ++j) out_val[other_idx[j]] += other_val[j];
+  }
+  for (int64_t i = 0; i < m; ++i) out_idx[i] = (int32_t)i;
 }
 
 int sparcml_merge(const int32_t *a_idx, const float *a_val, int64_t a_nnz, int64_t a_cap,
@@ -342,22 +351,20 @@ int sparcml_merge(const int32_t *a_idx, const float *a_val, int64_t a_nnz, int64
   if (a_dense || b_dense) {
     if (sparcml_check_stream("a", a_idx, a_nnz, a_cap, n, err)) return 1;
     if (sparcml_check_stream("b", b_idx, b_nnz, b_cap, n, err)) return 1;
-    if (out_cap < n) {
-      snprintf(err, SPARCML_ERRLEN, "merge: a dense input needs out_capacity >= n=%lld, got %lld",
-               (long long)n, (long long)out_cap);
-      return 1;
-    }
     const float *dense = a_dense ? a_val : b_val;
     const int32_t *other_idx = a_dense ? b_idx : a_idx;
     const float *other_val = a_dense ? b_val : a_val;
     int64_t other_nnz = a_dense ? b_nnz : a_nnz;
-    if (other_nnz == n) {
+    if (out_cap < n) { /* the n entries do not fit: the first out_cap, and the true count */
+      add_dense_prefix(dense, other_idx, other_val, other_nnz, n, out_cap, out_idx, out_val);
+    } else if (other_nnz == n) {
       for (int64_t i = 0; i < n; ++i) out_val[i] = dense[i] + other_val[i];
+      for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)i;
     } else {
       memcpy(out_val, dense, (size_t)n * sizeof(float));
       add_sparse_into_dense(other_idx, other_val, other_nnz, out_val);
+      for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)i;
     }
-    for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)i;
     sparcml_pad_tail(out_idx, out_val, n, out_cap, n);
     *out_nnz = n;
     return 0;
@@ -370,7 +377,7 @@ int sparcml_merge(const int32_t *a_idx, const float *a_val, int64_t a_nnz, int64
     sparcml_densify_inplace(out_idx, out_val, count, n);
     count = n;
   }
-  sparcml_pad_tail(out_idx, out_val, count, out_cap, n);
+  if (count < out_cap) sparcml_pad_tail(out_idx, out_val, count, out_cap, n);
   *out_nnz = count;
   return 0;
 }

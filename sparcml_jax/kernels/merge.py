@@ -22,8 +22,10 @@ def merge(a: SparseStream, b: SparseStream, *, delta: float = 1.0, capacity: int
     """Returns the stream of ``a + b``.
 
     The output is dense when its actual count reaches ``dense_threshold(size, delta)`` and its
-    capacity can hold ``size`` values. ``capacity`` defaults to :func:`merge_capacity`; a smaller
-    one raises at run time if the union does not fit.
+    capacity can hold ``size`` values. ``capacity`` defaults to :func:`merge_capacity`, which
+    always fits. With a smaller one a union that does not fit gives an invalid stream, the first
+    ``capacity`` pairs with ``nnz`` the true count, which every consumer rejects (on every rank in
+    a collective; see :func:`sparcml_jax.from_dense` for why this does not raise here).
 
     Example:
       >>> import jax.numpy as jnp

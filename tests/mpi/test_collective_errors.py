@@ -190,19 +190,24 @@ BUILT_IN_THE_STEP = {  # how the bad rank's stream goes wrong inside the step: i
     "from_dense over capacity": "nnz=12 exceeds its capacity 8",
     "coalesce over capacity": "nnz=12 exceeds its capacity 8",
     "coalesce out of range": f"found {SIZE + 1} (coalesce keeps the first index outside",
+    "merge over capacity": "nnz=12 exceeds its capacity 8",
 }
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", list(BUILT_IN_THE_STEP))
 def test_stream_built_badly_in_the_step_raises_everywhere(case, transport):
-    """from_dense and coalesce run on each rank before the collective, so they must not raise
-    there: the bad rank would stop while its peers wait in the collective. Their invalid stream
-    reaches the collective's validation instead, in the same jitted program."""
+    """from_dense, coalesce and merge run on each rank before the collective, so they must not
+    raise there: the bad rank would stop while its peers wait in the collective. Their invalid
+    stream reaches the collective's validation instead, in the same jitted program."""
     @jax.jit
     def step(x, idx, val):
         if case.startswith("from_dense"):
             s = sparcml_jax.from_dense(x, capacity=8)
+        elif case.startswith("merge"):
+            half = idx.size // 2
+            s = sparcml_jax.merge(sparcml_jax.coalesce(idx[:half], val[:half], size=SIZE, capacity=8),
+                                  sparcml_jax.coalesce(idx[half:], val[half:], size=SIZE, capacity=8), capacity=8)
         else:
             s = sparcml_jax.coalesce(idx, val, size=SIZE, capacity=8)
         return sparse_allreduce(s, algorithm="ssar_recursive_doubling", transport=transport).to_dense()
