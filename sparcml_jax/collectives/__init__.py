@@ -26,7 +26,7 @@ from sparcml_jax.collectives.ssar_split_allgather import ssar_split_allgather
 from sparcml_jax.comm import get_transport, native, resolve_comm
 from sparcml_jax.comm.topology import grown_capacity
 from sparcml_jax.kernels._common import check_stream
-from sparcml_jax.kernels.merge import merge
+from sparcml_jax.kernels.merge import merge_all
 from sparcml_jax.stream import SparseStream, can_switch_to_dense, dense_threshold, resize
 
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
@@ -252,10 +252,7 @@ def _compiled_allgather(plan: Plan):
             "allgather", size=s.size, capacity=s.capacity, transport=plan.transport.NAME, delta=plan.delta))
         (idx, val, nnz), status, sent = plan.transport.gather_streams(s, status=jnp.int32(0), comm=plan.comm)
         streams = [SparseStream(idx[r], val[r], nnz[r], s.size) for r in range(plan.nprocs)]
-        while len(streams) > 1:  # pairwise tree: log2 P levels of merges
-            paired = [merge(a, b, delta=plan.delta) for a, b in zip(streams[::2], streams[1::2])]
-            streams = paired + ([streams[-1]] if len(streams) % 2 else [])
-        result = resize(streams[0], grown_capacity(s.capacity, s.size, plan.nprocs, plan.delta))
+        result = resize(merge_all(streams, delta=plan.delta), grown_capacity(s.capacity, s.size, plan.nprocs, plan.delta))
         native.check(status, comm=plan.comm)
         return result, AllreduceStats(jnp.int32(-1), sent, result.nnz, jnp.int32(-1))
 

@@ -128,28 +128,23 @@ def reduce_scatter(s: SparseStream, *, part_capacity: int, status: jax.Array, co
 
 def allgather(part: SparseStream, *, size: int, out_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float,
               slot_capacity: int):
+    from sparcml_jax.kernels.merge import merge_all
+
     parts = comm.Get_size()
     mine = resize(part, slot_capacity)
     buf = _pack(mine.indices, mine.values, mine.nnz, status)
     gathered = mpi4jax.allgather(buf, comm=comm) if parts > 1 else buf[None]
-    counts = gathered[:, 0]
     status = jnp.max(gathered[:, 1])
-    starts = jnp.concatenate([jnp.zeros((1,), INDEX_DTYPE), jnp.cumsum(counts)[:-1].astype(INDEX_DTYPE)])
-    out_idx = jnp.full((out_capacity,), size, INDEX_DTYPE)
-    out_val = jnp.zeros((out_capacity,), VALUE_DTYPE)
-    for r in range(parts):
-        idx, val, _, _ = _unpack(gathered[r], slot_capacity)
-        valid = jnp.arange(slot_capacity) < counts[r]
-        pos = jnp.where(valid, starts[r] + jnp.arange(slot_capacity, dtype=INDEX_DTYPE), out_capacity)
-        out_idx = out_idx.at[pos].set(idx + part_bounds(size, parts, r)[0], mode="drop")
-        out_val = out_val.at[pos].set(val, mode="drop")
-    total = jnp.sum(counts)
-    result = SparseStream(out_idx, out_val, total.astype(INDEX_DTYPE), size)
-    if out_capacity >= size:
-        dense = jnp.zeros((size,), VALUE_DTYPE).at[out_idx].set(out_val, mode="drop")
-        go_dense = total >= dense_threshold(size, delta)
-        as_dense = resize(dense_stream(dense), out_capacity)
-        result = jax.tree.map(lambda d, s: jnp.where(go_dense, d, s), as_dense, result)
+    streams = []
+    for r in range(parts):  # each part re-based to global indices, its padding to `size`
+        idx, val, count, _ = _unpack(gathered[r], slot_capacity)
+        valid = jnp.arange(slot_capacity) < count
+        streams.append(SparseStream(jnp.where(valid, idx + part_bounds(size, parts, r)[0], size), val, count, size))
+    # The parts cover disjoint ranges in order, so merging them concatenates (and switches the
+    # result to dense by the usual rule): our kernel, where per-part XLA scatters were 3-9x slower.
+    if parts == 1:  # nothing to merge: a merge with nothing applies the dense switch all the same
+        streams.append(SparseStream.empty(size, 0))
+    result = resize(merge_all(streams, delta=delta), out_capacity)
     sent = jnp.float32(4 * buf.shape[0] * (parts - 1))
     return result, status, sent
 

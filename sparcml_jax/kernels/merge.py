@@ -61,6 +61,14 @@ def merge(a: SparseStream, b: SparseStream, *, delta: float = 1.0, capacity: int
     return on_cpu_or_reference(ffi_impl, reference, a, b)
 
 
+def merge_all(streams: list[SparseStream], *, delta: float = 1.0) -> SparseStream:
+    """The sum of several streams of one size, merged pairwise in a tree of log2(len) levels."""
+    while len(streams) > 1:
+        paired = [merge(a, b, delta=delta) for a, b in zip(streams[::2], streams[1::2])]
+        streams = paired + ([streams[-1]] if len(streams) % 2 else [])
+    return streams[0]
+
+
 def merge_reference(a: SparseStream, b: SparseStream, *, delta: float = 1.0, capacity: int | None = None) -> SparseStream:
     """Pure-jnp :func:`merge` (no validation): the dense sum, re-sparsified by the same rule."""
     size = a.size
