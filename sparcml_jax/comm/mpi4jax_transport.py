@@ -1,8 +1,11 @@
 """mpi4jax transport: the same collectives from mpi4jax ops with static buffers.
 
 mpi4jax has no variable-length messages, so every message carries its whole static capacity:
-``[nnz, status, indices..., bitcast(values)...]`` as one int32 buffer. Once a stream's capacity
-reaches the dense length, it travels as the dense vector instead (4 bytes per entry, not 8).
+``[nnz, status, indices..., bitcast(values)...]`` as one int32 buffer, or, for the exchanges of
+recursive doubling, ``[nnz, status, indices...]`` and ``[values...]`` as two messages (packing the
+values in costs a copy on each side: 3.8-4.1 ms against 2.2-2.4 ms at N = 2^22, 1 %, P = 4).
+Once a stream's capacity reaches the dense length, it travels as the dense vector instead (4
+bytes per entry, not 8).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_str
 
 NAME = "mpi4jax"
 _TAG_BASE = 0x5CB0
+_VALUES_TAG = 0x40  # added to a round's tag for its values message
 _HEADER = 2
 
 
@@ -44,28 +48,29 @@ def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capa
     # instead of 8, and the switch still follows the actual count.
     compact = recv_capacity >= n and s.capacity >= n and dense_threshold(n, delta) - 1 <= n // 2
     if compact:
-        payload = _pack_compact(s, status, delta)
+        messages = [(_pack_compact(s, status, delta), jnp.zeros((_HEADER + n,), INDEX_DTYPE), tag)]
     else:
-        payload = _pack(s.indices, s.values, s.nnz, status)
-    template = jnp.zeros_like(payload) if recv_capacity == s.capacity else jnp.zeros(
-        (_HEADER + 2 * recv_capacity,), INDEX_DTYPE)
-    if dest is not None and source is not None:
-        received = mpi4jax.sendrecv(payload, template, source, dest, sendtag=tag, recvtag=tag, comm=comm)
-    elif dest is not None:
-        mpi4jax.send(payload, dest, tag=tag, comm=comm)
-        received = None
-    elif source is not None:
-        received = mpi4jax.recv(template, source, tag=tag, comm=comm)
-    else:
-        received = None
-    sent = jnp.float32(4 * payload.shape[0] if dest is not None else 0)
-    if received is None:
+        head = jnp.concatenate([jnp.stack([jnp.asarray(s.nnz, INDEX_DTYPE), jnp.asarray(status, INDEX_DTYPE)]),
+                                s.indices])
+        messages = [(head, jnp.zeros((_HEADER + recv_capacity,), INDEX_DTYPE), tag),
+                    (s.values, jnp.zeros((recv_capacity,), VALUE_DTYPE), tag + _VALUES_TAG)]
+    received = []
+    for payload, template, message_tag in messages:
+        if dest is not None and source is not None:
+            received.append(mpi4jax.sendrecv(payload, template, source, dest, sendtag=message_tag,
+                                             recvtag=message_tag, comm=comm))
+        elif dest is not None:
+            mpi4jax.send(payload, dest, tag=message_tag, comm=comm)
+        elif source is not None:
+            received.append(mpi4jax.recv(template, source, tag=message_tag, comm=comm))
+    sent = jnp.float32(sum(4 * payload.shape[0] for payload, _, _ in messages) if dest is not None else 0)
+    if not received:
         return SparseStream.empty(n, recv_capacity), status, sent
     if compact:
-        got, peer_status = _unpack_compact(received, n, recv_capacity)
+        got, peer_status = _unpack_compact(received[0], n, recv_capacity)
         return got, jnp.maximum(status, peer_status), sent
-    idx, val, nnz, peer_status = _unpack(received, recv_capacity)
-    return SparseStream(idx, val, nnz, n), jnp.maximum(status, peer_status), sent
+    head, values = received
+    return SparseStream(head[_HEADER:], values, head[0], n), jnp.maximum(status, head[1]), sent
 
 
 def _pack_compact(s: SparseStream, status, delta: float) -> jax.Array:
