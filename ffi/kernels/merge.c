@@ -17,10 +17,6 @@ void sparcml_densify_inplace(int32_t *idx, float *val, int64_t nnz, int64_t n) {
   for (int64_t i = 0; i < n; ++i) idx[i] = (int32_t)i;
 }
 
-static void add_sparse_into_dense(const int32_t *idx, const float *val, int64_t nnz, float *dense) {
-  for (int64_t j = 0; j < nnz; ++j) dense[idx[j]] += val[j];
-}
-
 /* The portable merge, one pair per iteration (about 4 ns per pair on random supports: the branch
  * is unpredictable). Returns the union's count; only the first out_cap pairs are stored. */
 static int64_t merge_sparse(const int32_t *ai, const float *av, int64_t an, const int32_t *bi,
@@ -333,10 +329,10 @@ static int64_t merge_sparse_checked(const int32_t *a_idx, const float *a_val, in
 /* The first m entries of dense + other (other dense, or sparse) as a stream's first m pairs. */
 static void add_dense_prefix(const float *dense, const int32_t *other_idx, const float *other_val,
                              int64_t other_nnz, int64_t n, int64_t m, int32_t *out_idx, float *out_val) {
-  if (m > 0) memcpy(out_val, dense, (size_t)m * sizeof(float));
   if (other_nnz == n) {
-    for (int64_t i = 0; i < m; ++i) out_val[i] += other_val[i];
+    for (int64_t i = 0; i < m; ++i) out_val[i] = dense[i] + other_val[i];
   } else {
+    if (m > 0) memcpy(out_val, dense, (size_t)m * sizeof(float));
     for (int64_t j = 0; j < other_nnz && other_idx[j] < m; ++j) out_val[other_idx[j]] += other_val[j];
   }
   for (int64_t i = 0; i < m; ++i) out_idx[i] = (int32_t)i;
@@ -355,16 +351,8 @@ int sparcml_merge(const int32_t *a_idx, const float *a_val, int64_t a_nnz, int64
     const int32_t *other_idx = a_dense ? b_idx : a_idx;
     const float *other_val = a_dense ? b_val : a_val;
     int64_t other_nnz = a_dense ? b_nnz : a_nnz;
-    if (out_cap < n) { /* the n entries do not fit: the first out_cap, and the true count */
-      add_dense_prefix(dense, other_idx, other_val, other_nnz, n, out_cap, out_idx, out_val);
-    } else if (other_nnz == n) {
-      for (int64_t i = 0; i < n; ++i) out_val[i] = dense[i] + other_val[i];
-      for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)i;
-    } else {
-      memcpy(out_val, dense, (size_t)n * sizeof(float));
-      add_sparse_into_dense(other_idx, other_val, other_nnz, out_val);
-      for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)i;
-    }
+    /* When the n entries do not fit: the first out_cap, with the true count. */
+    add_dense_prefix(dense, other_idx, other_val, other_nnz, n, out_cap < n ? out_cap : n, out_idx, out_val);
     sparcml_pad_tail(out_idx, out_val, n, out_cap, n);
     *out_nnz = n;
     return 0;
