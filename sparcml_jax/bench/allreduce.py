@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -148,7 +149,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 chosen=chosen, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
                 ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
                 result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
-                alpha=model.alpha, beta=model.beta,
+                **{f"model_{name}": value for name, value in dataclasses.asdict(model).items()},
             ))
     if progress:
         progress(len(cells), len(cells), "done")
@@ -192,7 +193,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"P={comm.Get_size()}  calibrated alpha={model.alpha * 1e6:.1f} us  "
               f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)  "
               f"jitted call overhead={model.call_overhead * 1e6:.0f} us  "
-              f"agreement + check={model.fixed_cost * 1e6:.0f} us")
+              f"agreement + check={model.fixed_cost * 1e6:.0f} us  "
+              f"dense allreduce={model.dense_beta * 1e9:.3f} ns/B  merge={model.pair_cost * 1e9:.2f} ns/pair  "
+              f"pass={model.element_cost * 1e9:.3f} ns/element")
         print_table(
             ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
              "MB sent/rank", "result density", "model"],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import os
 import time
 
 import numpy as np
@@ -38,11 +37,13 @@ class CostModel:
         on streams of 4 MB (past the caches, like the messages that matter) on every rank at
         once (so ranks that share cores are measured sharing them and the memory bus): the
         slowest rank's median.
-      element_cost: seconds per element of a pass over a length-N vector (densify, padding, a
-        result buffer), measured the same way.
-      call_overhead: what calling a collective from JAX adds around its MPI calls (dispatch,
-        JAX's ordered-effect token, output buffers): a jitted mpi4jax allreduce of two floats
-        minus the same MPI_Allreduce from mpi4py.
+      element_cost: seconds per float32 element read or written by a pass over a length-N
+        vector (densify, padding, a result buffer): half a jitted ``x * 2`` over 16 MB into a
+        fresh buffer, measured the same way. (A write-only pass, ``iota``, took half as long.)
+      call_overhead: what calling a collective from JAX adds around its MPI calls: a jitted
+        mpi4jax allreduce of two floats minus the same MPI_Allreduce from mpi4py. It is mostly
+        Python: JAX dispatches a program with an ordered effect on its Python path, never the C++
+        fast path (170 us per call in one process here, 200 us per rank at P = 2, 550 at P = 4).
       fixed_cost: what every sparse collective pays whatever it sends: a jitted program of just
         its agreement step (a small allgather) and its status check (a small allreduce).
     """
@@ -63,14 +64,19 @@ class CostModel:
         if comm.Get_size() < 2:
             return cls(alpha=0.0, beta=0.0)
         small = np.zeros(1, np.float64)
-        t_small, t_large = _ping_pong(comm, small, small_reps), _pairwise_exchange(comm, large_bytes, large_reps)
-        alpha = max(t_small, 1e-7)
+        _pairwise_exchange(comm, large_bytes, 2)  # MPICH sets up its large-message path on first use
+        t_large = _pairwise_exchange(comm, large_bytes, large_reps)
+        d_large = _allreduce_seconds(comm, dense_bytes // 4)
+        # Small operations on ranks that share cores run in phases: in a fresh process a whole
+        # block of 50 small allreduces or ping-pongs took 1.3-1.4 ms each instead of 30 us. The
+        # fastest of three blocks is the steady state.
+        alpha = max(_steadiest(lambda: _ping_pong(comm, small, small_reps)), 1e-7)
         beta = max((t_large - alpha) / large_bytes, 1e-12)
-        d_small, d_large = _allreduce_seconds(comm, 2, small_reps), _allreduce_seconds(comm, dense_bytes // 4)
+        d_small = _steadiest(lambda: _allreduce_seconds(comm, 2, small_reps))
         dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
-        overhead = max(_jitted_seconds(comm, "allreduce", small_reps) - d_small, 0.0)
-        fixed = _jitted_seconds(comm, "agreement", small_reps)
+        overhead = max(_steadiest(lambda: _jitted_seconds(comm, "allreduce", small_reps)) - d_small, 0.0)
+        fixed = _steadiest(lambda: _jitted_seconds(comm, "agreement", small_reps))
         numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead, fixed)
         return cls(*comm.bcast(numbers, root=0))
 
@@ -118,7 +124,7 @@ class CostModel:
             return xp.minimum(8.0 * count(m), dense_bytes)
 
         def merge(m):  # merging two streams of m-fold unions, or adding dense vectors
-            return xp.where(8.0 * count(m) >= dense_bytes, n * self.element_cost, 2 * count(m) * self.pair_cost)
+            return xp.where(8.0 * count(m) >= dense_bytes, 3 * n * self.element_cost, 2 * count(m) * self.pair_cost)
 
         def result_buffers(cap):  # a result of capacity N: fresh length-N index and value buffers
             return 2 * n * self.element_cost if cap >= n else 0.0
@@ -156,12 +162,21 @@ class CostModel:
             # page-faulted; with freed memory kept in the heap, see the Makefile, it costs half.)
             value_bytes = 4.0 if quantize_bits is None else quantize_bits / 8.0
             gather = log_p * self.latency(p) + n * value_bytes * self.dense_beta / 2
-            # What arrives is added into the dense slice: P streaming passes over N / P values.
+            if quantize_bits is None and not static:
+                # The segments are added into a zero-filled slice of N / P values; the gather
+                # writes the result's values itself, and only its indices 0..N-1 are written after.
+                # (Pricing two whole passes and both result buffers here predicted 16-25 ms where
+                # it measured 12-15 ms at N = 2^22, 10 %, P = 4.)
+                return sends + gather + (1 / p + 1) * n * self.element_cost
             passes = 1 + 1 / p if quantize_bits is None else 4  # (QSGD: also code and decode passes)
             if static:  # the mpi4jax transport densifies, pads and concatenates in fresh XLA buffers
                 passes += 3
             return sends + gather + passes * n * self.element_cost + result_buffers(size)
         raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def _steadiest(measure, tries: int = 3) -> float:
+    return min(measure() for _ in range(tries))
 
 
 def _slowest_rank_median(comm: MPI.Comm, run, reps: int) -> float:
@@ -212,9 +227,9 @@ def _jitted_seconds(comm: MPI.Comm, program: str, reps: int) -> float:
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
-    """Per-pair merge cost (megabyte streams, every rank at once: the median sees the ranks
-    share cores and memory) and per-element pass cost (short: the fastest sample, times the
-    ranks that share each core of this node, since kernels this short barely overlap)."""
+    """Per-pair merge cost and per-element pass cost, each the slowest rank's median with every
+    rank running at once, so that ranks sharing a core or the memory bus are measured sharing
+    them. Both work on megabytes, past the caches, as the collectives that matter do."""
     import jax
     import jax.numpy as jnp
 
@@ -230,37 +245,27 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
         return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
 
     merged = jax.jit(lambda a, b: merge(a, b).values)
-    vector = np.ones(1 << 20, np.float32)
-
-    def one_pass(v):  # in place: the results' buffers are written once, without page faults
-        return np.multiply(v, 2.0, out=v)
-
-    def timed(fn, *args, reps=9):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return np.asarray(times)
+    # A pass as the collectives make them: XLA reads a 16 MB vector into a fresh buffer. (An
+    # in-place numpy pass on 4 MB, the earlier measure, stayed in cache: 0.05-0.09 ns per element
+    # where this pass takes 0.55 ns per element at P = 2 and 1.05 ns at P = 4, so auto priced
+    # densify and padding passes 5x too low and chose mpi4jax's dense path at 10 %.)
+    doubled = jax.jit(lambda v: v * 2.0)
 
     def time_both():
-        a, b = stream(), stream()
-        return float(np.median(timed(merged, a, b))) / (2 * k), float(np.min(timed(one_pass, vector))) / vector.size
+        a, b, vector = stream(), stream(), jnp.ones(1 << 22, jnp.float32)
+        for _ in range(8):  # the heaps grow on the first calls (page faults, 3-4x slower)
+            jax.block_until_ready((merged(a, b), doubled(vector)))
+        # Every sample starts on all ranks at once. (Timed rank by rank after one warm-up call,
+        # the cost came out 1.9 or 5.5 ns per pair at P = 4 from one calibration to the next.)
+        pair_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(merged(a, b)), 11)
+        pass_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(doubled(vector)), 11)
+        return pair_seconds / (2 * k), pass_seconds / (2 * vector.size)  # a pass reads and writes each element
 
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_per_core = max(1.0, shared.Get_size() / max(1, len(os.sched_getaffinity(0))))
-    shared.Free()
-    comm.Barrier()
     # The first collective on a communicator usually runs while the user's train step is being
     # traced. JAX's trace state is per thread: on a fresh thread the kernels run as they would in
     # a step, where inside the trace (even under ensure_compile_time_eval) every call took 10x as long.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        mine = pool.submit(time_both).result()
-    every = np.asarray(comm.allgather(mine))
-    # Merges: the slowest rank's median, since a collective waits for it. Passes: the median
-    # over ranks, robust to one rank that lost its core for a sample this short.
-    return float(np.max(every[:, 0])), ranks_per_core * float(np.median(every[:, 1]))
+        return pool.submit(time_both).result()
 
 
 def _pairwise_exchange(comm: MPI.Comm, nbytes: int, reps: int) -> float:
