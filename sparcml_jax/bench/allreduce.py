@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -59,6 +60,16 @@ def allgather_then_densify(s: SparseStream, *, comm: MPI.Comm, transport: str) -
         total = scatter_add(SparseStream(idx[r], val[r], nnz[r], s.size), total)
     native.check(status, comm=comm)
     return total
+
+
+def _steal_seconds() -> float | None:
+    """CPU time the hypervisor took from this machine's vCPUs so far (Linux ``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _timed(comm: MPI.Comm, fn, reps: int) -> list[float]:
@@ -122,6 +133,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
                 stats[name] = first[1]
         samples = {name: [] for name in cases}
+        steal_before = _steal_seconds()
         for rep in range(reps):  # interleaved, so that noise hits every case alike
             # A new order every repetition (the same on every rank): a case must not always follow
             # the one that leaves the most memory to give back (DSAR, the dense baselines).
@@ -130,6 +142,8 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             for name in order:
                 fn, args = cases[name]
                 samples[name] += _timed(comm, lambda: fn(*args), 1)
+        steal_after = _steal_seconds()
+        steal = None if steal_before is None or steal_after is None else steal_after - steal_before
         dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
         for name, times in samples.items():
             st = stats.get(name)
@@ -149,6 +163,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 chosen=chosen, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
                 ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
                 result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
+                steal_seconds=steal,
                 **{f"model_{name}": value for name, value in dataclasses.asdict(model).items()},
             ))
     if progress:
@@ -206,6 +221,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
         )
         print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better)")
+        stolen = {(r["N"], r["density"], r["support"]): r["steal_seconds"] for r in rows if r["steal_seconds"]}
+        for (size, density, support), seconds in stolen.items():
+            print(f"the hypervisor took {seconds:.2f} s of CPU from this machine during cell "
+                  f"N=2^{int(math.log2(size))} {density:.2%} {support}")
         for row in rows:
             row["network"] = args.network
         if args.json:
