@@ -7,7 +7,8 @@ import sys
 from mpi_spawn import run_under_mpirun
 
 ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max",
-            "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network"}
+            "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network", "calls_per_sample",
+            "steal_seconds", "page_faults"}
 
 
 def test_quick_allreduce_sweep_and_report(tmp_path):
@@ -27,6 +28,18 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "| best SparCML |" in (tmp_path / "report.md").read_text()
+
+
+def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):
+    out = tmp_path / "in_step.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "allreduce", "--quick", "--no-baselines",
+                                  "--calls-per-sample", "3", "--json", str(out)], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "3 calls per jitted program" in result.stdout
+    rows = json.loads(out.read_text())
+    assert rows and all(ROW_KEYS <= set(r) and r["calls_per_sample"] == 3 for r in rows)
+    assert {r["chosen"] for r in rows if r["algorithm"] == "auto"} <= {"ssar_recursive_doubling", "ssar_split_allgather",
+                                                                     "dsar_split_allgather", "dense"}
 
 
 def test_quick_overlap_benchmark(tmp_path):
