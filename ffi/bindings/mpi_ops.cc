@@ -52,24 +52,60 @@ ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ff
                         ffi::ResultBufferR0<ffi::S32> status_out, ffi::ResultBufferR0<ffi::F32> bytes_sent,
                         ffi::Result<ffi::Token>, int64_t comm_handle, int64_t dest, int64_t source, int64_t tag,
                         int64_t n) {
+  // The header travels first, then the payload straight from the input buffers and into the
+  // result buffers, in the same order under the same tag (MPI does not let them overtake).
+  // Packing both sides into one message cost two more copies of the stream (exchanges took
+  // 7.5 ms of recursive doubling's 18 ms at N = 2^22, 10 %, P = 4).
   MPI_Comm comm = sparcml::CommFromF(comm_handle);
   Status status = static_cast<Status>(status_in.typed_data()[0]);
   int64_t count = nnz.typed_data()[0];
-  sparcml::Bytes message = sparcml::PackSegment(idx.typed_data(), val.typed_data(), 0, count, 0, n,
-                                                   count == n, status, /*delta=*/1e300);
-  MPI_Request request = MPI_REQUEST_NULL;
-  MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, sparcml::Peer(dest), static_cast<int>(tag),
-            comm, &request);
-  sparcml::Bytes received = sparcml::ReceiveAny(comm, sparcml::Peer(source), static_cast<int>(tag), nullptr);
-  MPI_Wait(&request, MPI_STATUS_IGNORE);
+  bool dense = count == n;
+  Header out{status, status == sparcml::kOk ? static_cast<int32_t>(count) : 0, dense, 0};
+  std::vector<MPI_Request> sends;
+  auto post = [&](const void* data, int64_t bytes) {
+    sends.emplace_back();
+    MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, sparcml::Peer(dest), static_cast<int>(tag), comm,
+              &sends.back());
+  };
+  post(&out, sizeof out);
+  if (out.count > 0 && !dense) post(idx.typed_data(), out.count * sizeof(int32_t));
+  if (out.count > 0) post(val.typed_data(), out.count * sizeof(float));
 
-  Segment s = sparcml::UnpackSegment(received);
-  status = sparcml::Incoming(status, s);
-  if (status != sparcml::kOk) s.header.count = 0;
-  StoreSegment(s, n, ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(ridx->element_count()),
-               rnnz->typed_data(), &status);
+  int64_t cap = static_cast<int64_t>(ridx->element_count());
+  int32_t* got_idx = ridx->typed_data();
+  float* got_val = rval->typed_data();
+  Header in{sparcml::kOk, 0, 0, 0};
+  if (source >= 0) MPI_Recv(&in, sizeof in, MPI_BYTE, static_cast<int>(source), static_cast<int>(tag), comm,
+                            MPI_STATUS_IGNORE);
+  Segment header_only;
+  header_only.header = in;
+  status = sparcml::Incoming(status, header_only);
+  int64_t received = in.count;
+  auto receive = [&](void* data, int64_t bytes) {
+    MPI_Recv(data, static_cast<int>(bytes), MPI_BYTE, static_cast<int>(source), static_cast<int>(tag), comm,
+             MPI_STATUS_IGNORE);
+  };
+  if (received > cap) {  // drain the payload, then fail on every rank at the final check
+    sparcml::SetError(&status, sparcml::kOverflow,
+                      "received " + std::to_string(received) + " entries but the receive capacity is " +
+                          std::to_string(cap));
+    sparcml::Scratch<char> drain(received * sizeof(float));
+    if (!in.dense) receive(drain.data(), received * sizeof(int32_t));
+    receive(drain.data(), received * sizeof(float));
+    received = 0;
+  } else if (received > 0) {
+    if (!in.dense) receive(got_idx, received * sizeof(int32_t));
+    receive(got_val, received * sizeof(float));
+    if (in.dense) {
+      for (int64_t i = 0; i < received; ++i) got_idx[i] = static_cast<int32_t>(i);
+    }
+  }
+  if (status != sparcml::kOk) received = 0;
+  sparcml_pad_tail(got_idx, got_val, received, cap, n);
+  rnnz->typed_data()[0] = static_cast<int32_t>(received);
+  MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE);
   status_out->typed_data()[0] = status;
-  bytes_sent->typed_data()[0] = dest < 0 ? 0.0f : static_cast<float>(message.size() - sizeof(Header));
+  bytes_sent->typed_data()[0] = dest < 0 ? 0.0f : static_cast<float>((dense ? 4 : 8) * out.count);
   return ffi::Error::Success();
 }
 
