@@ -199,3 +199,15 @@ def test_single_process_bad_stream_raises():
     good = stream(100, [1, 2], capacity=4)
     np.testing.assert_array_equal(np.asarray(sparse_allreduce(good, algorithm="ssar_recursive_doubling").to_dense()),
                                   np.asarray(good.to_dense()))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_exchange_with_a_peer_outside_the_communicator_raises(transport):
+    from sparcml_jax.comm import get_transport
+
+    s = stream(100, [1, 2], capacity=4)
+    exchange = get_transport(transport).exchange
+    with pytest.raises(ValueError, match=r"dest=1 is not a rank of this communicator of 1 ranks"):
+        exchange(s, dest=1, source=0, recv_capacity=4, status=jnp.int32(0), comm=MPI.COMM_WORLD)
+    with pytest.raises(ValueError, match=r"source=-2 is not a rank"):
+        exchange(s, dest=None, source=-2, recv_capacity=4, status=jnp.int32(0), comm=MPI.COMM_WORLD)

@@ -16,7 +16,7 @@ import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import part_bounds, part_length
+from sparcml_jax.comm.topology import check_peers, part_bounds, part_length
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
 
@@ -39,6 +39,7 @@ def _unpack(buf: jax.Array, capacity: int):
 
 def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capacity: int, status: jax.Array,
              comm: MPI.Comm, round: int = 0, delta: float = 1.0):
+    check_peers(comm, dest=dest, source=source)
     if dest is not None and source is not None and recv_capacity != s.capacity:
         raise ValueError(f"mpi4jax transport: static exchange needs equal capacities ({s.capacity} != {recv_capacity})")
     tag = _TAG_BASE + round

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from mpi4py import MPI
 
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
-from sparcml_jax.comm.topology import part_length
+from sparcml_jax.comm.topology import check_peers, part_length
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold
 
 NAME = "native"
@@ -87,6 +87,7 @@ def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capa
     Only the valid pairs travel, or the dense values once the stream is dense; ``delta`` is not
     needed here because the sender's merge already applied the switch.
     """
+    check_peers(comm, dest=dest, source=source)
     return _bind_stream(
         _exchange_p, s, status, s.size, recv_capacity=i64(recv_capacity), comm=i64(comm.py2f()),
         dest=i64(-1 if dest is None else dest), source=i64(-1 if source is None else source),

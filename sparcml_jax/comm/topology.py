@@ -17,6 +17,15 @@ def part_length(size: int, parts: int, r: int) -> int:
     return hi - lo
 
 
+def check_peers(comm, **peers: int | None) -> None:
+    """Rejects a peer rank outside ``comm`` (MPI would fail inside the compiled program)."""
+    size = comm.Get_size()
+    for name, rank in peers.items():
+        if rank is not None and not 0 <= rank < size:
+            raise ValueError(f"{name}={rank} is not a rank of this communicator of {size} ranks; "
+                             f"pass a rank in [0, {size}) or None to skip that side")
+
+
 def lower_power_of_two(p: int) -> int:
     return 1 << (p.bit_length() - 1)
 
