@@ -163,6 +163,9 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> va
 }
 
 // --- allgather: every rank contributes the stream of its own range; the result concatenates them.
+// Every part's header travels first; the payloads follow under the same tag (MPI keeps them in
+// order) and land straight in the result where they can: the values of every part, and the
+// indices, which are re-based in place. Only a result that turns dense takes a staging buffer.
 ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval, ffi::BufferR0<ffi::S32> pnnz,
                          ffi::BufferR0<ffi::S32> status_in, ffi::Token, ffi::ResultBuffer<ffi::S32> oidx,
                          ffi::ResultBuffer<ffi::F32> oval, ffi::ResultBufferR0<ffi::S32> onnz,
@@ -175,53 +178,118 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   Status status = static_cast<Status>(status_in.typed_data()[0]);
   Range mine = PartOf(n, parts, me);
   int64_t length = mine.hi - mine.lo, count = pnnz.typed_data()[0];
-  sparcml::Bytes message = sparcml::PackSegment(pidx.typed_data(), pval.typed_data(), 0, count, 0, length,
-                                                   count == length, status, delta);
-  double sent = static_cast<double>(message.size() - sizeof(Header)) * (parts - 1);
-  std::vector<sparcml::Bytes> all = sparcml::AllgatherBytes(comm, static_cast<int>(tag), std::move(message));
 
-  std::vector<Segment> segments(parts);
+  // This rank's part: its pairs, or the dense slice of its range once that is no larger (SparCML's rule).
+  std::vector<Header> headers(parts, Header{sparcml::kOk, 0, 0, 0});
+  Header& own = headers[me];
+  own.status = status;
+  const int32_t* own_idx = pidx.typed_data();
+  const float* own_val = pval.typed_data();
+  sparcml::Bytes slice;
+  if (status == sparcml::kOk) {
+    bool dense = count == length || (length > 0 && count * 8 >= delta * length * 4);
+    if (dense && count != length) {
+      slice = sparcml::PackSegment(own_idx, own_val, 0, count, 0, length, false, status, delta);
+      own_val = reinterpret_cast<const float*>(slice.data() + sizeof(Header));
+    }
+    own.dense = dense;
+    own.count = static_cast<int32_t>(dense ? length : count);
+  }
+  auto payload_bytes = [](const Header& h) { return h.count * (h.dense ? 4 : 8); };
+  std::vector<MPI_Request> sends;
+  auto post = [&](const void* data, int64_t bytes, int peer) {
+    sends.emplace_back();
+    MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, peer, static_cast<int>(tag), comm, &sends.back());
+  };
+  for (int r = 0; r < parts; ++r) {
+    if (r == me) continue;
+    post(&own, sizeof own, r);
+    if (own.count > 0 && !own.dense) post(own_idx, own.count * sizeof(int32_t), r);
+    if (own.count > 0) post(own_val, own.count * sizeof(float), r);
+  }
+  auto receive = [&](void* data, int64_t bytes, int source) {
+    MPI_Recv(data, static_cast<int>(bytes), MPI_BYTE, source, static_cast<int>(tag), comm, MPI_STATUS_IGNORE);
+  };
+  for (int i = 1; i < parts; ++i) {
+    int source = (me + parts - i) % parts;  // a ring order: every rank starts with a different peer
+    receive(&headers[source], sizeof(Header), source);
+  }
   int64_t total = 0;
   for (int r = 0; r < parts; ++r) {
-    segments[r] = sparcml::UnpackSegment(all[r]);
-    status = sparcml::Incoming(status, segments[r]);
-    total += segments[r].header.count;
+    Segment header_only;
+    header_only.header = headers[r];
+    status = sparcml::Incoming(status, header_only);
+    total += headers[r].count;
   }
+
   int32_t* out_idx = oidx->typed_data();
   float* out_val = oval->typed_data();
   int64_t cap = static_cast<int64_t>(oidx->element_count());
-  int64_t out_nnz = 0;
-  if (status == sparcml::kOk && total >= DenseThreshold(n, delta) && cap >= n) {
-    std::memset(out_val, 0, n * sizeof(float));
-    for (int r = 0; r < parts; ++r) {
-      Range range = PartOf(n, parts, r);
-      const Segment& s = segments[r];
-      if (s.header.dense) {
-        std::memcpy(out_val + range.lo, s.val, s.header.count * sizeof(float));
-      } else {
-        for (int64_t j = 0; j < s.header.count; ++j) out_val[range.lo + s.idx[j]] = s.val[j];
-      }
-    }
-    for (int64_t i = 0; i < n; ++i) out_idx[i] = static_cast<int32_t>(i);
-    out_nnz = n;
-  } else if (status == sparcml::kOk && total > cap) {
+  bool to_dense = status == sparcml::kOk && total >= DenseThreshold(n, delta) && cap >= n;
+  if (status == sparcml::kOk && !to_dense && total > cap) {
     sparcml::SetError(&status, sparcml::kOverflow,
                       "allgather: " + std::to_string(total) + " entries exceed the result capacity " +
                           std::to_string(cap));
-  } else if (status == sparcml::kOk) {
-    for (int r = 0; r < parts; ++r) {
-      Range range = PartOf(n, parts, r);
-      const Segment& s = segments[r];
-      for (int64_t j = 0; j < s.header.count; ++j) {
-        out_idx[out_nnz] = static_cast<int32_t>(range.lo + (s.header.dense ? j : s.idx[j]));
-        out_val[out_nnz++] = s.val[j];
-      }
-    }
   }
+  bool in_place = status == sparcml::kOk;
+  if (to_dense) std::memset(out_val, 0, n * sizeof(float));
+  sparcml::Scratch<int32_t> staged_idx;
+  sparcml::Scratch<float> staged_val;
+  int64_t out_nnz = 0;
+  for (int r = 0; r < parts; ++r) {
+    const Header& h = headers[r];
+    Range range = PartOf(n, parts, r);
+    int64_t c = h.count;
+    const int32_t* idx = own_idx;
+    const float* val = own_val;
+    if (r != me && c > 0) {  // where this part's payload lands
+      bool straight = in_place && (!to_dense || h.dense);
+      int32_t* idx_to = straight && !to_dense ? out_idx + out_nnz : nullptr;
+      float* val_to = straight ? (to_dense ? out_val + range.lo : out_val + out_nnz) : nullptr;
+      if (!idx_to && !h.dense) {
+        staged_idx.resize(c);
+        idx_to = staged_idx.data();
+      }
+      if (!val_to) {
+        staged_val.resize(c);
+        val_to = staged_val.data();
+      }
+      if (!h.dense) receive(idx_to, c * sizeof(int32_t), r);
+      receive(val_to, c * sizeof(float), r);
+      idx = idx_to;
+      val = val_to;
+    }
+    if (!in_place || c == 0) continue;
+    if (to_dense) {
+      if (h.dense && r != me) continue;  // received in place
+      if (h.dense) {
+        std::memcpy(out_val + range.lo, val, c * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < c; ++j) out_val[range.lo + idx[j]] = val[j];
+      }
+      continue;
+    }
+    int32_t* oi = out_idx + out_nnz;
+    if (h.dense) {
+      for (int64_t j = 0; j < c; ++j) oi[j] = static_cast<int32_t>(range.lo + j);
+    } else if (r != me) {
+      for (int64_t j = 0; j < c; ++j) oi[j] += static_cast<int32_t>(range.lo);
+    } else {
+      for (int64_t j = 0; j < c; ++j) oi[j] = static_cast<int32_t>(range.lo + idx[j]);
+    }
+    if (r == me) std::memcpy(out_val + out_nnz, val, c * sizeof(float));
+    out_nnz += c;
+  }
+  if (to_dense) {
+    for (int64_t i = 0; i < n; ++i) out_idx[i] = static_cast<int32_t>(i);
+    out_nnz = n;
+  }
+  if (status != sparcml::kOk) out_nnz = 0;
   sparcml_pad_tail(out_idx, out_val, out_nnz, cap, n);
+  MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE);
   onnz->typed_data()[0] = static_cast<int32_t>(out_nnz);
   status_out->typed_data()[0] = status;
-  bytes_sent->typed_data()[0] = static_cast<float>(sent);
+  bytes_sent->typed_data()[0] = static_cast<float>(payload_bytes(own)) * (parts - 1);
   return ffi::Error::Success();
 }
 
