@@ -1,8 +1,8 @@
 // Wire format of the native transport: one message per stream, as in SparCML's own C.
 //   header {status, count, dense} then either count int32 indices + count float32 values
 //   (pairs) or count float32 values (dense slice). Indices are relative to the receiver's range.
-// The blocking exchange (mpi_ops.cc) sends the same parts as separate messages under one tag,
-// straight from and into XLA's buffers.
+// The blocking exchange and the allgather (mpi_ops.cc) send the same parts as separate messages
+// under one tag, straight from and into XLA's buffers.
 #pragma once
 
 #include <mpi.h>
