@@ -34,9 +34,9 @@ class CostModel:
         by memory and by the ranks sharing cores, not by the wire, and the SparCML algorithms
         must beat the real thing.
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
-        on streams of 4 MB (past the caches, like the messages that matter) on every rank at
-        once (so ranks that share cores are measured sharing them and the memory bus): the
-        slowest rank's median.
+        on streams of 4 MB (past the caches, like the messages that matter), two merges and a
+        merge of their results as a collective chains them, on every rank at once (so ranks that
+        share cores are measured sharing them and the memory bus): the slowest rank's median.
       element_cost: seconds per float32 element read or written by a pass over a length-N
         vector (densify, padding, a result buffer): half a jitted ``x * 2`` over 16 MB into a
         fresh buffer, measured the same way. (A write-only pass, ``iota``, took half as long.)
@@ -244,7 +244,10 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
         idx = (np.arange(k) * stride + rng.integers(0, stride, k)).astype(np.int32)
         return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
 
-    merged = jax.jit(lambda a, b: merge(a, b).values)
+    # Merges as a collective chains them: two merges, then a merge of their fresh results. (One
+    # merge alone came out at 1.9-3.9 ns per pair at P = 4 from one calibration to the next,
+    # the chain at 3.2-3.6, like recursive doubling's merges inside the collective.)
+    merged = jax.jit(lambda a, b, c, d: merge(merge(a, b), merge(c, d)).values)
     # A pass as the collectives make them: XLA reads a 16 MB vector into a fresh buffer. (An
     # in-place numpy pass on 4 MB, the earlier measure, stayed in cache: 0.05-0.09 ns per element
     # where this pass takes 0.55 ns per element at P = 2 and 1.05 ns at P = 4, so auto priced
@@ -252,14 +255,15 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
     doubled = jax.jit(lambda v: v * 2.0)
 
     def time_both():
-        a, b, vector = stream(), stream(), jnp.ones(1 << 22, jnp.float32)
+        inputs, vector = [stream() for _ in range(4)], jnp.ones(1 << 22, jnp.float32)
         for _ in range(8):  # the heaps grow on the first calls (page faults, 3-4x slower)
-            jax.block_until_ready((merged(a, b), doubled(vector)))
+            jax.block_until_ready((merged(*inputs), doubled(vector)))
         # Every sample starts on all ranks at once. (Timed rank by rank after one warm-up call,
         # the cost came out 1.9 or 5.5 ns per pair at P = 4 from one calibration to the next.)
-        pair_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(merged(a, b)), 11)
+        chain_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(merged(*inputs)), 11)
         pass_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(doubled(vector)), 11)
-        return pair_seconds / (2 * k), pass_seconds / (2 * vector.size)  # a pass reads and writes each element
+        # The chain reads 2k + 2k + 4k pairs; a pass reads and writes each element.
+        return chain_seconds / (8 * k), pass_seconds / (2 * vector.size)
 
     # The first collective on a communicator usually runs while the user's train step is being
     # traced. JAX's trace state is per thread: on a fresh thread the kernels run as they would in
