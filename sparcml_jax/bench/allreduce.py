@@ -197,7 +197,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
                 result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
                 calls_per_sample=calls_per_sample, steal_seconds=steal, page_faults=faults,
-                **{f"model_{name}": value for name, value in dataclasses.asdict(model).items()},
+                **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
             ))
     if progress:
         progress(len(cells), len(cells), "done")

@@ -246,7 +246,7 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
 
     # Merges as a collective chains them: two merges, then a merge of their fresh results. (One
     # merge alone came out at 1.9-3.9 ns per pair at P = 4 from one calibration to the next,
-    # the chain at 3.2-3.6, like recursive doubling's merges inside the collective.)
+    # the chain at 3.0-3.9, like recursive doubling's merges inside the collective.)
     merged = jax.jit(lambda a, b, c, d: merge(merge(a, b), merge(c, d)).values)
     # A pass as the collectives make them: XLA reads a 16 MB vector into a fresh buffer. (An
     # in-place numpy pass on 4 MB, the earlier measure, stayed in cache: 0.05-0.09 ns per element
