@@ -62,40 +62,27 @@ ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ff
   bool dense = count == n;
   Header out{status, status == sparcml::kOk ? static_cast<int32_t>(count) : 0, dense, 0};
   std::vector<MPI_Request> sends;
-  auto post = [&](const void* data, int64_t bytes) {
-    sends.emplace_back();
-    MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, sparcml::Peer(dest), static_cast<int>(tag), comm,
-              &sends.back());
-  };
-  post(&out, sizeof out);
-  if (out.count > 0 && !dense) post(idx.typed_data(), out.count * sizeof(int32_t));
-  if (out.count > 0) post(val.typed_data(), out.count * sizeof(float));
+  sparcml::PostParts(out, idx.typed_data(), val.typed_data(), sparcml::Peer(dest), static_cast<int>(tag), comm,
+                     &sends);
 
   int64_t cap = static_cast<int64_t>(ridx->element_count());
   int32_t* got_idx = ridx->typed_data();
   float* got_val = rval->typed_data();
-  Header in{sparcml::kOk, 0, 0, 0};
-  if (source >= 0) MPI_Recv(&in, sizeof in, MPI_BYTE, static_cast<int>(source), static_cast<int>(tag), comm,
-                            MPI_STATUS_IGNORE);
-  Segment header_only;
-  header_only.header = in;
-  status = sparcml::Incoming(status, header_only);
+  Header in = source >= 0 ? sparcml::ReceiveHeader(static_cast<int>(source), static_cast<int>(tag), comm)
+                          : Header{sparcml::kOk, 0, 0, 0};
+  status = sparcml::Incoming(status, in);
   int64_t received = in.count;
-  auto receive = [&](void* data, int64_t bytes) {
-    MPI_Recv(data, static_cast<int>(bytes), MPI_BYTE, static_cast<int>(source), static_cast<int>(tag), comm,
-             MPI_STATUS_IGNORE);
-  };
   if (received > cap) {  // drain the payload, then fail on every rank at the final check
     sparcml::SetError(&status, sparcml::kOverflow,
                       "received " + std::to_string(received) + " entries but the receive capacity is " +
                           std::to_string(cap));
-    sparcml::Scratch<char> drain(received * sizeof(float));
-    if (!in.dense) receive(drain.data(), received * sizeof(int32_t));
-    receive(drain.data(), received * sizeof(float));
+    sparcml::Scratch<int32_t> drain_idx(in.dense ? 0 : received);
+    sparcml::Scratch<float> drain_val(received);
+    sparcml::ReceivePayload(in, drain_idx.data(), drain_val.data(), static_cast<int>(source), static_cast<int>(tag),
+                            comm);
     received = 0;
   } else if (received > 0) {
-    if (!in.dense) receive(got_idx, received * sizeof(int32_t));
-    receive(got_val, received * sizeof(float));
+    sparcml::ReceivePayload(in, got_idx, got_val, static_cast<int>(source), static_cast<int>(tag), comm);
     if (in.dense) {
       for (int64_t i = 0; i < received; ++i) got_idx[i] = static_cast<int32_t>(i);
     }
@@ -105,7 +92,7 @@ ffi::Error ExchangeImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ff
   rnnz->typed_data()[0] = static_cast<int32_t>(received);
   MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE);
   status_out->typed_data()[0] = status;
-  bytes_sent->typed_data()[0] = dest < 0 ? 0.0f : static_cast<float>((dense ? 4 : 8) * out.count);
+  bytes_sent->typed_data()[0] = dest < 0 ? 0.0f : static_cast<float>(sparcml::PayloadBytes(out));
   return ffi::Error::Success();
 }
 
@@ -195,30 +182,17 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
     own.dense = dense;
     own.count = static_cast<int32_t>(dense ? length : count);
   }
-  auto payload_bytes = [](const Header& h) { return h.count * (h.dense ? 4 : 8); };
   std::vector<MPI_Request> sends;
-  auto post = [&](const void* data, int64_t bytes, int peer) {
-    sends.emplace_back();
-    MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, peer, static_cast<int>(tag), comm, &sends.back());
-  };
   for (int r = 0; r < parts; ++r) {
-    if (r == me) continue;
-    post(&own, sizeof own, r);
-    if (own.count > 0 && !own.dense) post(own_idx, own.count * sizeof(int32_t), r);
-    if (own.count > 0) post(own_val, own.count * sizeof(float), r);
+    if (r != me) sparcml::PostParts(own, own_idx, own_val, r, static_cast<int>(tag), comm, &sends);
   }
-  auto receive = [&](void* data, int64_t bytes, int source) {
-    MPI_Recv(data, static_cast<int>(bytes), MPI_BYTE, source, static_cast<int>(tag), comm, MPI_STATUS_IGNORE);
-  };
   for (int i = 1; i < parts; ++i) {
     int source = (me + parts - i) % parts;  // a ring order: every rank starts with a different peer
-    receive(&headers[source], sizeof(Header), source);
+    headers[source] = sparcml::ReceiveHeader(source, static_cast<int>(tag), comm);
   }
   int64_t total = 0;
   for (int r = 0; r < parts; ++r) {
-    Segment header_only;
-    header_only.header = headers[r];
-    status = sparcml::Incoming(status, header_only);
+    status = sparcml::Incoming(status, headers[r]);
     total += headers[r].count;
   }
 
@@ -254,8 +228,7 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
         staged_val.resize(c);
         val_to = staged_val.data();
       }
-      if (!h.dense) receive(idx_to, c * sizeof(int32_t), r);
-      receive(val_to, c * sizeof(float), r);
+      sparcml::ReceivePayload(h, idx_to, val_to, r, static_cast<int>(tag), comm);
       idx = idx_to;
       val = val_to;
     }
@@ -289,7 +262,7 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   MPI_Waitall(static_cast<int>(sends.size()), sends.data(), MPI_STATUSES_IGNORE);
   onnz->typed_data()[0] = static_cast<int32_t>(out_nnz);
   status_out->typed_data()[0] = status;
-  bytes_sent->typed_data()[0] = static_cast<float>(payload_bytes(own)) * (parts - 1);
+  bytes_sent->typed_data()[0] = static_cast<float>(sparcml::PayloadBytes(own)) * (parts - 1);
   return ffi::Error::Success();
 }
 

@@ -102,10 +102,34 @@ Disagreement FirstDisagreement(const int64_t* all, int row, int fields, int part
   return {};
 }
 
-Status Incoming(Status local, const Segment& s) {
-  if (local != kOk || s.header.status == kOk) return local;
+Status Incoming(Status local, const Header& peer) {
+  if (local != kOk || peer.status == kOk) return local;
   LastError() = "a peer rank failed earlier in this collective";
   return kPeerFailed;
+}
+
+void PostParts(const Header& h, const int32_t* idx, const float* val, int dest, int tag, MPI_Comm comm,
+               std::vector<MPI_Request>* sends) {
+  auto post = [&](const void* data, int64_t bytes) {
+    sends->emplace_back();
+    MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, dest, tag, comm, &sends->back());
+  };
+  post(&h, sizeof h);
+  if (h.count > 0 && !h.dense) post(idx, h.count * sizeof(int32_t));
+  if (h.count > 0) post(val, h.count * sizeof(float));
+}
+
+Header ReceiveHeader(int source, int tag, MPI_Comm comm) {
+  Header h{};
+  MPI_Recv(&h, sizeof h, MPI_BYTE, source, tag, comm, MPI_STATUS_IGNORE);
+  return h;
+}
+
+void ReceivePayload(const Header& h, int32_t* idx, float* val, int source, int tag, MPI_Comm comm) {
+  if (h.count <= 0) return;
+  if (!h.dense) MPI_Recv(idx, h.count * static_cast<int>(sizeof(int32_t)), MPI_BYTE, source, tag, comm,
+                         MPI_STATUS_IGNORE);
+  MPI_Recv(val, h.count * static_cast<int>(sizeof(float)), MPI_BYTE, source, tag, comm, MPI_STATUS_IGNORE);
 }
 
 Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source) {

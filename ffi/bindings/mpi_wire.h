@@ -69,8 +69,19 @@ struct Segment {
   const float* val = nullptr;
 };
 Segment UnpackSegment(const char* data, size_t size);
-// This rank's status after receiving `s`: a peer's error header turns it into kPeerFailed.
-Status Incoming(Status local, const Segment& s);
+// This rank's status after receiving a peer's header: an error there turns it into kPeerFailed.
+Status Incoming(Status local, const Header& peer);
+inline Status Incoming(Status local, const Segment& s) { return Incoming(local, s.header); }
+inline int64_t PayloadBytes(const Header& h) { return int64_t{h.count} * (h.dense ? 4 : 8); }
+
+// A stream's parts as separate messages under one tag, which MPI keeps in order: the header, then
+// the indices (pairs only) and the values, straight from the caller's buffers (valid until the
+// requests appended to `sends` complete).
+void PostParts(const Header& h, const int32_t* idx, const float* val, int dest, int tag, MPI_Comm comm,
+               std::vector<MPI_Request>* sends);
+Header ReceiveHeader(int source, int tag, MPI_Comm comm);
+// The payload that follows header `h`, into idx (pairs only) and val.
+void ReceivePayload(const Header& h, int32_t* idx, float* val, int source, int tag, MPI_Comm comm);
 inline Segment UnpackSegment(const Bytes& buffer) { return UnpackSegment(buffer.data(), buffer.size()); }
 
 // Signatures that ranks compare travel as int64 fields named by a comma-separated list;

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.bench._timing import block, fmt_time, print_table
+from sparcml_jax.bench._timing import block, fmt_time, print_table, repeated_in_one_program
 from sparcml_jax.collectives import ALGORITHMS, dense_allreduce, sparse_allgather, sparse_allreduce
 from sparcml_jax.collectives._agree import cost_model_for
 from sparcml_jax.comm import get_transport, native, resolve_comm
@@ -75,29 +75,6 @@ def _steal_seconds() -> float | None:
         return int(fields[8]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return None
-
-
-def _repeated(call, calls: int):
-    """``calls`` calls of ``call`` in one jitted program, as collectives run inside a training step
-    (JAX dispatches the program once). Each call's streams get their ``nnz`` through the loop's
-    carry, which stays 0, so that XLA cannot hoist any part of a call out of the loop."""
-
-    def feed(arg, carry):
-        if isinstance(arg, SparseStream):
-            return SparseStream(arg.indices, arg.values, jnp.minimum(arg.nnz, arg.nnz + carry.astype(jnp.int32)),
-                                arg.size)
-        return arg
-
-    @jax.jit
-    def run(*args):
-        def body(i, carry):
-            out = call(*(feed(a, carry) for a in args))
-            first = next(leaf for leaf in jax.tree.leaves(out) if leaf.dtype == jnp.float32)
-            return carry + 0 * first.reshape(-1)[0]
-
-        return jax.lax.fori_loop(0, calls, body, jnp.float32(0))
-
-    return run
 
 
 def _timed(comm: MPI.Comm, fn, reps: int) -> list[float]:
@@ -159,10 +136,11 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             if call is None:  # outside JAX: `args` is the call itself
                 timed[name] = lambda run=args: [run() for _ in range(calls_per_sample)]
                 continue
-            first = block(jax.jit(call)(*args))
+            single = jax.jit(call)
+            first = block(single(*args))
             if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
                 stats[name] = first[1]
-            program = jax.jit(call) if calls_per_sample == 1 else _repeated(call, calls_per_sample)
+            program = single if calls_per_sample == 1 else repeated_in_one_program(call, calls_per_sample)
             timed[name] = lambda program=program, args=args: program(*args)
             block(timed[name]())
         samples = {name: [] for name in cases}

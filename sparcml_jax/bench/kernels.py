@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparcml_jax.bench._timing import fmt_time, median_seconds, print_table
+from sparcml_jax.bench._timing import fmt_time, median_seconds, print_table, repeated_in_one_program
 from sparcml_jax.kernels.merge import merge
 from sparcml_jax.kernels.qsgd import qsgd_dequantize, qsgd_quantize
 from sparcml_jax.kernels.topk import topk
@@ -30,23 +30,8 @@ def _random_stream(rng: np.random.Generator, size: int, k: int) -> SparseStream:
 
 
 def _merge_seconds(a: SparseStream, b: SparseStream, inner: int, reps: int) -> float:
-    """Seconds per ``merge(a, b)`` when run ``inner`` times in one jitted loop.
-
-    Each merge must depend on the one before, or XLA would hoist it out of the loop. The
-    dependence goes through ``a.nnz`` (a scalar that stays equal), not through the values: adding
-    the carry to every value cost two extra passes per merge, 70-100 us of the 240-330 us
-    measured at N = 2^24, 1 %.
-    """
-
-    @jax.jit
-    def loop(a, b):
-        def body(i, carry):
-            nnz = jnp.minimum(a.nnz, a.nnz + carry.astype(jnp.int32))  # carry is always 0
-            out = merge(SparseStream(a.indices, a.values, nnz, a.size), b)
-            return carry + 0 * out.values[0]
-
-        return jax.lax.fori_loop(0, inner, body, jnp.float32(0))
-
+    """Seconds per ``merge(a, b)`` when run ``inner`` times in one jitted loop."""
+    loop = repeated_in_one_program(merge, inner)
     return median_seconds(lambda: loop(a, b), reps) / inner
 
 

@@ -75,8 +75,8 @@ class CostModel:
         d_small = _steadiest(lambda: _allreduce_seconds(comm, 2, small_reps))
         dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
-        overhead = max(_steadiest(lambda: _jitted_seconds(comm, "allreduce", small_reps)) - d_small, 0.0)
-        fixed = _steadiest(lambda: _jitted_seconds(comm, "agreement", small_reps))
+        overhead = max(_jitted_seconds(comm, "allreduce", small_reps) - d_small, 0.0)
+        fixed = _jitted_seconds(comm, "agreement", small_reps)
         numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead, fixed)
         return cls(*comm.bcast(numbers, root=0))
 
@@ -179,6 +179,15 @@ def _steadiest(measure, tries: int = 3) -> float:
     return min(measure() for _ in range(tries))
 
 
+def _on_fresh_thread(measure):
+    """Runs ``measure()`` on a fresh thread. The first collective on a communicator usually runs
+    while the user's train step is being traced, and JAX's trace state is per thread: on a fresh
+    thread the kernels run as they would in a step, where inside the trace (even under
+    ensure_compile_time_eval) every call took 10x as long."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(measure).result()
+
+
 def _slowest_rank_median(comm: MPI.Comm, run, reps: int) -> float:
     """Median over ``reps`` calls of ``run()`` (after one warm-up) of the slowest rank's time,
     every call started by all ranks together after a barrier."""
@@ -198,10 +207,9 @@ def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
 
 
 def _jitted_seconds(comm: MPI.Comm, program: str, reps: int) -> float:
-    """Slowest rank's median time of a small jitted program: ``"allreduce"``, an mpi4jax
-    allreduce of two floats, or ``"agreement"``, the agreement step and status check of a sparse
-    collective on an empty stream. Run on a fresh thread: the calibration may run while the
-    caller's step is being traced."""
+    """Slowest rank's median time of a small jitted program, the steadiest of three blocks:
+    ``"allreduce"``, an mpi4jax allreduce of two floats, or ``"agreement"``, the agreement step
+    and status check of a sparse collective on an empty stream."""
     import jax
     import jax.numpy as jnp
     import mpi4jax
@@ -220,10 +228,9 @@ def _jitted_seconds(comm: MPI.Comm, program: str, reps: int) -> float:
             call, arg = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)), jnp.ones(2, jnp.float32)
         else:
             call, arg = jax.jit(agreement), SparseStream.empty(1, 1)
-        return _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps)
+        return _steadiest(lambda: _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps))
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(measure).result()
+    return _on_fresh_thread(measure)
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
@@ -265,11 +272,7 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
         # The chain reads 2k + 2k + 4k pairs; a pass reads and writes each element.
         return chain_seconds / (8 * k), pass_seconds / (2 * vector.size)
 
-    # The first collective on a communicator usually runs while the user's train step is being
-    # traced. JAX's trace state is per thread: on a fresh thread the kernels run as they would in
-    # a step, where inside the trace (even under ensure_compile_time_eval) every call took 10x as long.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(time_both).result()
+    return _on_fresh_thread(time_both)
 
 
 def _pairwise_exchange(comm: MPI.Comm, nbytes: int, reps: int) -> float:

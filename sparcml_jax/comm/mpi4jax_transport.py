@@ -26,9 +26,12 @@ _VALUES_TAG = 0x40  # added to a round's tag for its values message
 _HEADER = 2
 
 
+def _header(nnz, status) -> jax.Array:
+    return jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.asarray(status, INDEX_DTYPE)])
+
+
 def _pack(idx: jax.Array, val: jax.Array, nnz, status) -> jax.Array:
-    header = jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.asarray(status, INDEX_DTYPE)])
-    return jnp.concatenate([header, idx, jax.lax.bitcast_convert_type(val, INDEX_DTYPE)])
+    return jnp.concatenate([_header(nnz, status), idx, jax.lax.bitcast_convert_type(val, INDEX_DTYPE)])
 
 
 def _unpack(buf: jax.Array, capacity: int):
@@ -51,8 +54,7 @@ def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capa
     if compact:
         messages = [(_pack_compact(s, status, delta), jnp.zeros((_HEADER + n,), INDEX_DTYPE), tag)]
     else:
-        head = jnp.concatenate([jnp.stack([jnp.asarray(s.nnz, INDEX_DTYPE), jnp.asarray(status, INDEX_DTYPE)]),
-                                s.indices])
+        head = jnp.concatenate([_header(s.nnz, status), s.indices])
         messages = [(head, jnp.zeros((_HEADER + recv_capacity,), INDEX_DTYPE), tag),
                     (s.values, jnp.zeros((recv_capacity,), VALUE_DTYPE), tag + _VALUES_TAG)]
     received = []
@@ -83,7 +85,7 @@ def _pack_compact(s: SparseStream, status, delta: float) -> jax.Array:
     dense = jax.lax.bitcast_convert_type(s.to_dense(), INDEX_DTYPE)
     body = jax.lax.cond(go_dense, lambda: dense, lambda: pairs)
     nnz = jnp.where(go_dense, n, s.nnz).astype(INDEX_DTYPE)
-    return jnp.concatenate([jnp.stack([nnz, jnp.asarray(status, INDEX_DTYPE)]), body])
+    return jnp.concatenate([_header(nnz, status), body])
 
 
 def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> tuple[SparseStream, jax.Array]:
