@@ -159,13 +159,10 @@ def _predict(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz,
 
 
 def _price(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, xp):
-    """The predicted time, or infinity for algorithms that the model cannot price.
-
-    * SSAR once the expected sum is dense: SparCML hands a sum that fills in to DSAR (the uniform
-      union bound of its appendix B reaches the dense switch); SSAR would carry a dense vector as
-      streams through every round, measured at 3-17x the prediction (2^22 values, 50 %, P = 2, 4).
-    * The split algorithms on the mpi4jax transport: they move P whole static buffers and stage
-      them through XLA, measured at 3-16x their prediction in the same cells.
+    """The predicted time, or infinity for SSAR once the expected sum is dense, which the model
+    cannot price: SparCML hands a sum that fills in to DSAR (the uniform union bound of its
+    appendix B reaches the dense switch); SSAR would carry a dense vector as streams through
+    every round, measured at 3-17x the prediction (2^22 values, 50 %, P = 2, 4).
 
     The mpi4jax transport moves whole buffers, so there the fill-in is that of the capacities
     (recursive doubling on streams of capacity N at 10 %, P = 4: 168 ms against 21 ms dense).
@@ -173,8 +170,6 @@ def _price(cost_model: CostModel, plan: Plan, s: SparseStream, name: str, nnz, x
     cost = _predict(cost_model, plan, s, name, nnz, xp)
     if plan.nprocs == 1:
         return cost
-    if plan.transport.NAME == "mpi4jax" and name.endswith("split_allgather"):
-        return xp.asarray(xp.inf)
     if not name.startswith("ssar"):
         return cost
     n = max(s.size, 1)

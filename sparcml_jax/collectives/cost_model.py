@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import gathered_capacity, grown_capacity, lower_power_of_two
+from sparcml_jax.comm.topology import gathered_capacity, grown_capacity, lower_power_of_two, part_capacity, part_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +123,17 @@ class CostModel:
         def stream_bytes(m):
             return xp.minimum(8.0 * count(m), dense_bytes)
 
-        def merge(m):  # merging two streams of m-fold unions, or adding dense vectors
-            return xp.where(8.0 * count(m) >= dense_bytes, 3 * n * self.element_cost, 2 * count(m) * self.pair_cost)
+        def merge(m):  # merging two streams of m-fold unions (the kernel visits the valid pairs only)
+            return xp.where(8.0 * union(m) >= dense_bytes, 3 * n * self.element_cost, 2 * union(m) * self.pair_cost)
 
         def result_buffers(cap):  # a result of capacity N: fresh length-N index and value buffers
             return 2 * n * self.element_cost if cap >= n else 0.0
 
         cap = size if capacity is None else capacity
         log_p = math.log2(p)
+        staged = 0.0
+        if static and algorithm != "dense":
+            staged = staged_elements(algorithm, size=size, nprocs=p, capacity=cap) * self.element_cost
         if algorithm == "dense":  # densify into the result, MPI_Allreduce in place, indices 0..N-1
             # mpi4jax densifies into a zero-filled XLA buffer first (measured at P = 4, N = 2^22,
             # 10 %: 24.3 ms against 17.4 ms for the allreduce of a ready dense vector).
@@ -148,14 +151,19 @@ class CostModel:
                 cap = grown_capacity(cap, size, 2, delta)
                 cost = cost + self.message(stream_bytes(m), p) + merge(m) + result_buffers(cap)
                 m *= 2
-            return cost
+            return cost + staged
         sends = (p - 1) * self.message(stream_bytes(1) / p, p)  # range r of every stream to rank r
+        if static:  # every segment and part travels at its whole capacity
+            slot = min(cap, max(part_length(size, p, r) for r in range(p)))
+            part = max(part_capacity(cap, size, p, r, delta) for r in range(p))
+            sends = (p - 1) * self.message(8.0 * slot, p)
         # What arrives is merged segment after segment into the growing part: the part's pairs
         # are visited (P + 1) / 2 times on average.
-        split_phase = sends + (p + 1) / 2 * count(1) * self.pair_cost
+        split_phase = sends + (p + 1) / 2 * union(1) * self.pair_cost
         if algorithm == "ssar_split_allgather":
-            gather = log_p * self.latency(p) + (p - 1) * stream_bytes(p) / p * self.beta
-            return split_phase + gather + count(p) * self.pair_cost + result_buffers(gathered_capacity(cap, size, p, delta))
+            gather = log_p * self.latency(p) + (p - 1) * (8.0 * part if static else stream_bytes(p) / p) * self.beta
+            return (split_phase + gather + union(p) * self.pair_cost + staged
+                    + result_buffers(gathered_capacity(cap, size, p, delta)))
         if algorithm == "dsar_split_allgather":
             # The dense allgather moves half the bytes of a dense allreduce. (Measured on shared
             # memory it cost as much as the whole allreduce while XLA's fresh result buffers
@@ -168,11 +176,53 @@ class CostModel:
                 # (Pricing two whole passes and both result buffers here predicted 16-25 ms where
                 # it measured 12-15 ms at N = 2^22, 10 %, P = 4.)
                 return sends + gather + (1 / p + 1) * n * self.element_cost
-            passes = 1 + 1 / p if quantize_bits is None else 4  # (QSGD: also code and decode passes)
-            if static:  # the mpi4jax transport densifies, pads and concatenates in fresh XLA buffers
-                passes += 3
-            return sends + gather + passes * n * self.element_cost + result_buffers(size)
+            if static:  # the segments are merged as pairs, then densified, padded and concatenated
+                qsgd = 0.0 if quantize_bits is None else 4 * n * self.element_cost
+                return split_phase + gather + staged + qsgd + result_buffers(size)
+            return sends + gather + 4 * n * self.element_cost + result_buffers(size)  # QSGD: code, decode
         raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int) -> int:
+    """Elements that XLA reads and writes around the mpi4jax transport's MPI calls, for the
+    slowest rank: packing headers, padding and slicing whole static buffers, re-basing indices.
+    The native transport stages nothing (its FFI ops read and write XLA's buffers in place).
+
+    The coefficients are XLA's own count, ``compiled.cost_analysis()["bytes accessed"] / 4`` of
+    the transport's ops (tests/mpi/test_cost_model.py checks them against it at P = 2..8).
+    Without them the model priced split-allgather on this transport at 2.5-8x below its time.
+    """
+    n, p, c = size, nprocs, capacity
+    if algorithm == "dense":
+        return n  # the zero-filled vector that the stream is densified into
+    if algorithm == "ssar_recursive_doubling":
+        def exchange(cap, send=True, receive=True):  # header + indices packed, indices sliced out
+            if cap >= n:  # the compact message of n slots: pairs or dense values, chosen at run time
+                return 9 * n * send + 4 * n * receive
+            return 2 * cap * (send + receive)
+
+        lower, elements = lower_power_of_two(p), 0
+        if lower < p:  # the slowest rank receives a folded stream and sends the result back
+            elements += exchange(c, send=False)
+            c = grown_capacity(c, n, 2, 1.0)
+        for _ in range(lower.bit_length() - 1):
+            elements += exchange(c)
+            c = grown_capacity(c, n, 2, 1.0)
+        if lower < p:
+            elements += exchange(c, receive=False)
+        return elements
+    lengths = [part_length(n, p, r) for r in range(p)]
+    slot = min(c, max(lengths))
+    scatter = 5 * c + 2 * slot + 12 * p * slot  # P segments cut, packed, sent and unpacked
+    if algorithm == "ssar_split_allgather":
+        part = max(part_capacity(c, n, p, r, 1.0) for r in range(p))
+        return scatter + 4 * part + 6 * p * part  # P parts packed, gathered, re-based
+    if algorithm == "dsar_split_allgather":
+        # The part densified, the gathered slices concatenated; unequal parts are padded to the
+        # longest for the allgather and cut back after.
+        unequal = min(lengths) < max(lengths)
+        return scatter + 2 * n + max(lengths) * (1 + 2 * unequal)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
 def _steadiest(measure, tries: int = 3) -> float:
