@@ -196,21 +196,23 @@ def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int) ->
     if algorithm == "dense":
         return n  # the zero-filled vector that the stream is densified into
     if algorithm == "ssar_recursive_doubling":
-        def exchange(cap, send=True, receive=True):  # header + indices packed, indices sliced out
+        def exchange(cap, send=True, receive=True):
             if cap >= n:  # the compact message of n slots: pairs or dense values, chosen at run time
                 return 9 * n * send + 4 * n * receive
-            return 2 * cap * (send + receive)
+            return 0  # header, indices and values travel straight from and into XLA's buffers
 
-        lower, elements = lower_power_of_two(p), 0
-        if lower < p:  # the slowest rank receives a folded stream and sends the result back
-            elements += exchange(c, send=False)
-            c = grown_capacity(c, n, 2, 1.0)
+        lower = lower_power_of_two(p)
+        folded = grown_capacity(c, n, 2, 1.0) if lower < p else c
+        rounds, cap = 0, folded
         for _ in range(lower.bit_length() - 1):
-            elements += exchange(c)
-            c = grown_capacity(c, n, 2, 1.0)
-        if lower < p:
-            elements += exchange(c, receive=False)
-        return elements
+            rounds += exchange(cap)
+            cap = grown_capacity(cap, n, 2, 1.0)
+        if lower == p:
+            return rounds
+        receiver = exchange(c, send=False) + rounds + exchange(cap, receive=False)
+        padded = (2 * folded + 2 * c if folded > c else 0) + rounds  # pads its own stream instead
+        extra = exchange(c, receive=False) + exchange(cap, send=False)
+        return max(receiver, padded, extra)
     lengths = [part_length(n, p, r) for r in range(p)]
     slot = min(c, max(lengths))
     scatter = 5 * c + 2 * slot + 12 * p * slot  # P segments cut, packed, sent and unpacked

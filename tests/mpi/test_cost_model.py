@@ -39,7 +39,7 @@ def test_staged_elements_match_xla_cost_analysis():
         for algorithm in SPARCML:
             counted = xla_elements(algorithm, size, capacity)
             modelled = staged_elements(algorithm, size=size, nprocs=NPROCS, capacity=capacity)
-            if not 0.9 <= counted / modelled <= 1.1:
+            if abs(counted - modelled) > 0.1 * modelled + 64:  # (+ headers and scalars)
                 failures.append(f"{algorithm} at N={size}, capacity {capacity}: XLA counts {counted:.0f} "
                                 f"elements, the model {modelled}")
     agree_all(failures, "staged elements")
