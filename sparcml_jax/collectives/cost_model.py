@@ -174,8 +174,10 @@ class CostModel:
                 # The segments are added into a zero-filled slice of N / P values; the gather
                 # writes the result's values itself, and only its indices 0..N-1 are written after.
                 # (Pricing two whole passes and both result buffers here predicted 16-25 ms where
-                # it measured 12-15 ms at N = 2^22, 10 %, P = 4.)
-                return sends + gather + (1 / p + 1) * n * self.element_cost
+                # it measured 12-15 ms at N = 2^22, 10 %, P = 4.) Every pair of the stream is
+                # packed into its range's message and added into its owner's slice: about a merge's
+                # work per pair (without it DSAR at 50 % was priced at a third of its time).
+                return sends + gather + (1 / p + 1) * n * self.element_cost + union(1) * self.pair_cost
             if static:  # the segments are merged as pairs, then densified, padded and concatenated
                 qsgd = 0.0 if quantize_bits is None else 4 * n * self.element_cost
                 return split_phase + gather + staged + qsgd + result_buffers(size)
