@@ -133,7 +133,7 @@ class CostModel:
         log_p = math.log2(p)
         staged = 0.0
         if static and algorithm != "dense":
-            staged = staged_elements(algorithm, size=size, nprocs=p, capacity=cap) * self.element_cost
+            staged = staged_elements(algorithm, size=size, nprocs=p, capacity=cap, delta=delta) * self.element_cost
         if algorithm == "dense":  # densify into the result, MPI_Allreduce in place, indices 0..N-1
             # mpi4jax densifies into a zero-filled XLA buffer first (measured at P = 4, N = 2^22,
             # 10 %: 24.3 ms against 17.4 ms for the allreduce of a ready dense vector).
@@ -185,18 +185,17 @@ class CostModel:
         raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
-def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int) -> int:
-    """Elements that XLA reads and writes around the mpi4jax transport's MPI calls, for the
-    slowest rank: packing headers, padding and slicing whole static buffers, re-basing indices.
-    The native transport stages nothing (its FFI ops read and write XLA's buffers in place).
+def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int, delta: float = 1.0) -> int:
+    """Elements that XLA reads and writes around the mpi4jax transport's MPI calls in one of the
+    SparCML algorithms, for the slowest rank: padding, packing and slicing whole static buffers,
+    re-basing indices. The native transport stages nothing (its FFI ops read and write XLA's
+    buffers in place); the dense algorithm's densify pass is priced with the algorithm.
 
     The coefficients are XLA's own count, ``compiled.cost_analysis()["bytes accessed"] / 4`` of
     the transport's ops (tests/mpi/test_cost_model.py checks them against it at P = 2..8).
     Without them the model priced split-allgather on this transport at 2.5-8x below its time.
     """
     n, p, c = size, nprocs, capacity
-    if algorithm == "dense":
-        return n  # the zero-filled vector that the stream is densified into
     if algorithm == "ssar_recursive_doubling":
         def exchange(cap, send=True, receive=True):
             if cap >= n:  # the compact message of n slots: pairs or dense values, chosen at run time
@@ -204,11 +203,11 @@ def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int) ->
             return 0  # header, indices and values travel straight from and into XLA's buffers
 
         lower = lower_power_of_two(p)
-        folded = grown_capacity(c, n, 2, 1.0) if lower < p else c
+        folded = grown_capacity(c, n, 2, delta) if lower < p else c
         rounds, cap = 0, folded
         for _ in range(lower.bit_length() - 1):
             rounds += exchange(cap)
-            cap = grown_capacity(cap, n, 2, 1.0)
+            cap = grown_capacity(cap, n, 2, delta)
         if lower == p:
             return rounds
         receiver = exchange(c, send=False) + rounds + exchange(cap, receive=False)
@@ -219,7 +218,7 @@ def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int) ->
     slot = min(c, max(lengths))
     scatter = 5 * c + 2 * slot + 12 * p * slot  # P segments cut, packed, sent and unpacked
     if algorithm == "ssar_split_allgather":
-        part = max(part_capacity(c, n, p, r, 1.0) for r in range(p))
+        part = max(part_capacity(c, n, p, r, delta) for r in range(p))
         return scatter + 4 * part + 6 * p * part  # P parts packed, gathered, re-based
     if algorithm == "dsar_split_allgather":
         # The part densified, the gathered slices concatenated; unequal parts are padded to the
