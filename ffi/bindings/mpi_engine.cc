@@ -34,6 +34,7 @@
 namespace {
 
 using sparcml::Bytes;
+using sparcml::DenseThreshold;
 using sparcml::Header;
 using sparcml::Scratch;
 using sparcml::Segment;
@@ -71,10 +72,6 @@ struct Job {
   std::string error;
   bool done = false;
 };
-
-int64_t DenseThreshold(int64_t size, double delta) {
-  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(delta * size * 4 / 8)));
-}
 
 // --- waiting without monopolising a core: the engine shares it with the computation it hides.
 // A short spin, 20 us naps for the first millisecond (small messages), then naps of

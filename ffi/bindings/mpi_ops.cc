@@ -14,11 +14,8 @@ namespace {
 
 using sparcml::Header;
 using sparcml::Segment;
+using sparcml::DenseThreshold;
 using sparcml::Status;
-
-int64_t DenseThreshold(int64_t size, double delta) {
-  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(delta * size * 4 / 8)));
-}
 
 struct Range {
   int64_t lo, hi;
@@ -174,7 +171,7 @@ ffi::Error AllgatherImpl(ffi::Buffer<ffi::S32> pidx, ffi::Buffer<ffi::F32> pval,
   const float* own_val = pval.typed_data();
   sparcml::Bytes slice;
   if (status == sparcml::kOk) {
-    bool dense = count == length || (length > 0 && count * 8 >= delta * length * 4);
+    bool dense = count == length || (length > 0 && count >= DenseThreshold(length, delta));
     if (dense && count != length) {
       slice = sparcml::PackSegment(own_idx, own_val, 0, count, 0, length, false, status, delta);
       own_val = reinterpret_cast<const float*>(slice.data() + sizeof(Header));

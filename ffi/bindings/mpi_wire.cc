@@ -27,8 +27,7 @@ Bytes PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t e
     return out;
   }
   int64_t count = end - begin;
-  // SparCML's rule: pairs cost 8 bytes, dense values 4; switch once pairs are no cheaper.
-  bool dense = source_dense || (length > 0 && count * 8 >= delta * length * 4);
+  bool dense = source_dense || (length > 0 && count >= DenseThreshold(length, delta));
   h.dense = dense;
   h.count = static_cast<int32_t>(dense ? length : count);
   size_t payload = dense ? length * sizeof(float) : count * (sizeof(int32_t) + sizeof(float));

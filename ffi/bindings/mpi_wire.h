@@ -7,8 +7,11 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -18,6 +21,15 @@
 #include "ffi_common.h"
 
 namespace sparcml {
+
+// SparCML's rule: pairs cost 8 bytes and dense values 4, so a stream over `size` entries turns
+// dense once it holds this many (delta scales the switch point). A huge delta (1e300: "never
+// dense") saturates instead of overflowing the conversion.
+inline int64_t DenseThreshold(int64_t size, double delta) {
+  double threshold = std::ceil(delta * size * 4 / 8);
+  if (threshold >= static_cast<double>(std::numeric_limits<int64_t>::max())) return std::numeric_limits<int64_t>::max();
+  return std::max<int64_t>(1, static_cast<int64_t>(threshold));
+}
 
 // A vector that leaves its elements uninitialized: message and scratch buffers are written in
 // full before they are read, and zeroing megabytes per call would cost a memory pass each.
