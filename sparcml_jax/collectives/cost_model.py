@@ -17,7 +17,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import gathered_capacity, grown_capacity, lower_power_of_two, part_capacity, part_length
+from sparcml_jax.comm.topology import (gathered_capacity, grown_capacity, largest_part_capacity, longest_part,
+                                       lower_power_of_two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +155,8 @@ class CostModel:
             return cost + staged
         sends = (p - 1) * self.message(stream_bytes(1) / p, p)  # range r of every stream to rank r
         if static:  # every segment and part travels at its whole capacity
-            slot = min(cap, max(part_length(size, p, r) for r in range(p)))
-            part = max(part_capacity(cap, size, p, r, delta) for r in range(p))
+            slot = min(cap, longest_part(size, p))
+            part = largest_part_capacity(cap, size, p, delta)
             sends = (p - 1) * self.message(8.0 * slot, p)
         # What arrives is merged segment after segment into the growing part: the part's pairs
         # are visited (P + 1) / 2 times on average.
@@ -214,17 +215,17 @@ def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int, de
         padded = (2 * folded + 2 * c if folded > c else 0) + rounds  # pads its own stream instead
         extra = exchange(c, receive=False) + exchange(cap, send=False)
         return max(receiver, padded, extra)
-    lengths = [part_length(n, p, r) for r in range(p)]
-    slot = min(c, max(lengths))
+    longest = longest_part(n, p)
+    slot = min(c, longest)
     scatter = 5 * c + 2 * slot + 12 * p * slot  # P segments cut, packed, sent and unpacked
     if algorithm == "ssar_split_allgather":
-        part = max(part_capacity(c, n, p, r, delta) for r in range(p))
+        part = largest_part_capacity(c, n, p, delta)
         return scatter + 4 * part + 6 * p * part  # P parts packed, gathered, re-based
     if algorithm == "dsar_split_allgather":
         # The part densified, the gathered slices concatenated; unequal parts are padded to the
         # longest for the allgather and cut back after.
-        unequal = min(lengths) < max(lengths)
-        return scatter + 2 * n + max(lengths) * (1 + 2 * unequal)
+        unequal = n % p != 0  # the last range takes the remainder
+        return scatter + 2 * n + longest * (1 + 2 * unequal)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import mpi4jax
 
 from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.comm.topology import part_capacity, part_length
+from sparcml_jax.comm.topology import longest_part, part_capacity, part_length
 from sparcml_jax.stream import SparseStream, dense_stream
 
 
@@ -43,7 +43,7 @@ def _quantized_allgather(mine: jax.Array, size: int, plan: Plan, key: jax.Array)
     from sparcml_jax.kernels.qsgd import QuantizedVector, qsgd_dequantize, qsgd_quantize
 
     nprocs = plan.nprocs
-    slot = max(part_length(size, nprocs, r) for r in range(nprocs))
+    slot = longest_part(size, nprocs)
     padded = jnp.concatenate([mine, jnp.zeros((slot - mine.shape[0],), mine.dtype)])
     q = qsgd_quantize(padded, key, bits=plan.quantize_bits, bucket_size=plan.bucket_size, scale=plan.quantize_scale)
     if nprocs > 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.comm.topology import gathered_capacity, part_capacity
+from sparcml_jax.comm.topology import gathered_capacity, largest_part_capacity, part_capacity
 from sparcml_jax.stream import SparseStream
 
 
@@ -29,6 +29,6 @@ def ssar_split_allgather(s: SparseStream, plan: Plan) -> tuple[SparseStream, Pro
     result, status, sent = t.allgather(
         part, size=s.size, out_capacity=gathered_capacity(s.capacity, s.size, nprocs, delta), status=progress.status,
         comm=comm, delta=delta,
-        slot_capacity=max(part_capacity(s.capacity, s.size, nprocs, r, delta) for r in range(nprocs)),
+        slot_capacity=largest_part_capacity(s.capacity, s.size, nprocs, delta),
     )
     return result, progress.after(1, status, sent, result.is_dense)

@@ -19,7 +19,7 @@ import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import check_peers, part_bounds, part_length
+from sparcml_jax.comm.topology import check_peers, longest_part, part_bounds, part_length
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
 
@@ -122,7 +122,7 @@ def reduce_scatter(s: SparseStream, *, part_capacity: int, status: jax.Array, co
     from sparcml_jax.kernels.merge import merge
 
     rank, parts = comm.Get_rank(), comm.Get_size()
-    slot = max(min(s.capacity, part_length(s.size, parts, r)) for r in range(parts))
+    slot = min(s.capacity, longest_part(s.size, parts))
     sendbuf = _segments(s, parts, slot)
     sendbuf = sendbuf.at[:, 1].set(status)
     received = mpi4jax.alltoall(sendbuf, comm=comm) if parts > 1 else sendbuf
@@ -169,7 +169,7 @@ def reduce_scatter_dense(s: SparseStream, *, part_capacity: int, status: jax.Arr
 def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
     """Concatenates every rank's dense slice of its range (the DSAR allgather phase): a dense stream."""
     parts = comm.Get_size()
-    slot = max(part_length(size, parts, r) for r in range(parts))
+    slot = longest_part(size, parts)
     buf = jnp.concatenate([values, jnp.zeros((slot - values.shape[0],), VALUE_DTYPE)])
     gathered = mpi4jax.allgather(buf, comm=comm) if parts > 1 else buf[None]
     pieces = [gathered[r, : part_length(size, parts, r)] for r in range(parts)]

@@ -17,6 +17,11 @@ def part_length(size: int, parts: int, r: int) -> int:
     return hi - lo
 
 
+def longest_part(size: int, parts: int) -> int:
+    """Length of the longest range: the slot a range travels in when message sizes are static."""
+    return max(part_length(size, parts, r) for r in range(parts))
+
+
 def check_peers(comm, **peers: int | None) -> None:
     """Rejects a peer rank outside ``comm`` (MPI would fail inside the compiled program)."""
     size = comm.Get_size()
@@ -41,6 +46,11 @@ def part_capacity(capacity: int, size: int, parts: int, r: int, delta: float) ->
     """Capacity of part r after the reduce-scatter: P segments of at most min(capacity, L) pairs."""
     length = part_length(size, parts, r)
     return grown_capacity(min(capacity, length), length, parts, delta)
+
+
+def largest_part_capacity(capacity: int, size: int, parts: int, delta: float) -> int:
+    """The largest :func:`part_capacity` over the ranges: the slot every part travels in."""
+    return max(part_capacity(capacity, size, parts, r, delta) for r in range(parts))
 
 
 def gathered_capacity(capacity: int, size: int, parts: int, delta: float) -> int:
