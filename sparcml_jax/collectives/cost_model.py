@@ -27,9 +27,11 @@ class CostModel:
 
     Attributes:
       alpha: seconds per message (latency), from a ping-pong between ranks 0 and 1.
-      beta: seconds per byte on the wire, from messages of megabytes exchanged by all ranks in
-        pairs at once, as in a round of recursive doubling (on a node the ranks' copies then
-        share cores and the memory bus; on a network every link is busy).
+      beta: seconds per byte on the wire, from messages of 16 MB exchanged by all ranks in pairs
+        at once, as in a round of recursive doubling (on a node the ranks' copies then share
+        cores and the memory bus; on a network every link is busy): the median of 15. (Five
+        exchanges of 4 MB, the earlier measure, gave 0.19-0.54 ns/B at P = 4 from one
+        calibration to the next; 15 of 16 MB gave 0.30-0.37.)
       dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
         seconds per byte of the vector from a large one, past the caches): on a node it is bound
         by memory and by the ranks sharing cores, not by the wire, and the SparCML algorithms
@@ -47,6 +49,11 @@ class CostModel:
         fast path (170 us per call in one process here, 200 us per rank at P = 2, 550 at P = 4).
       fixed_cost: what every sparse collective pays whatever it sends: a jitted program of just
         its agreement step (a small allgather) and its status check (a small allreduce).
+
+    Both are timed as a collective is called in a training step: right after a computation that
+    streamed megabytes through the caches (the backward pass; in the benchmark, the previous
+    case). There the agreement program took 1.9-2.1 ms at P = 4, against 0.76 ms called back to
+    back, and the model priced one-call collectives at up to 2.3x below their times.
     """
 
     alpha: float
@@ -59,7 +66,7 @@ class CostModel:
     fixed_cost: float = 0.0
 
     @classmethod
-    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 4 << 20, large_reps: int = 5,
+    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 16 << 20, large_reps: int = 15,
                   dense_bytes: int = 8 << 20) -> "CostModel":
         """Measures the model on ``comm``; every rank gets rank 0's numbers (identical choices)."""
         if comm.Get_size() < 2:
@@ -76,8 +83,8 @@ class CostModel:
         d_small = _steadiest(lambda: _allreduce_seconds(comm, 2, small_reps))
         dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
         pair_cost, element_cost = _compute_costs(comm)
-        overhead = max(_jitted_seconds(comm, "allreduce", small_reps) - d_small, 0.0)
-        fixed = _jitted_seconds(comm, "agreement", small_reps)
+        overhead = max(_jitted_seconds(comm, "allreduce") - d_small, 0.0)
+        fixed = _jitted_seconds(comm, "agreement")
         numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead, fixed)
         return cls(*comm.bcast(numbers, root=0))
 
@@ -124,8 +131,17 @@ class CostModel:
         def stream_bytes(m):
             return xp.minimum(8.0 * count(m), dense_bytes)
 
-        def merge(m):  # merging two streams of m-fold unions (the kernel visits the valid pairs only)
-            return xp.where(8.0 * union(m) >= dense_bytes, 3 * n * self.element_cost, 2 * union(m) * self.pair_cost)
+        def merge(m, inputs_capacity, out_capacity):
+            """Merging two streams of m-fold unions. Streams held in fewer than N slots are pairs
+            however full (the kernel visits the valid ones; a result that turns dense is then
+            densified in place); only streams of N slots can be dense vectors, added in one pass.
+            (Pricing every stream past the threshold as dense put SSAR at 50 % at 2.0-2.8x below
+            its time: there the first merge is of two streams of N / 2 pairs.)"""
+            if inputs_capacity >= n:
+                dense_inputs = 8.0 * union(m) >= dense_bytes
+                return xp.where(dense_inputs, 3 * n * self.element_cost, 2 * union(m) * self.pair_cost)
+            densify = xp.where(8.0 * union(2 * m) >= dense_bytes, 2 * n * self.element_cost, 0.0)
+            return 2 * union(m) * self.pair_cost + (densify if out_capacity >= n else 0.0)
 
         def result_buffers(cap):  # a result of capacity N: fresh length-N index and value buffers
             return 2 * n * self.element_cost if cap >= n else 0.0
@@ -145,13 +161,14 @@ class CostModel:
             folded = 2 if lower < p else 1
             cost = 0.0
             if lower < p:
-                cap = grown_capacity(cap, size, 2, delta)
-                cost = cost + self.message(stream_bytes(1), p) + self.message(stream_bytes(p), p) + merge(1)
+                grown = grown_capacity(cap, size, 2, delta)
+                cost = cost + self.message(stream_bytes(1), p) + self.message(stream_bytes(p), p) + merge(1, cap, grown)
+                cap = grown
             m = folded
             while m < folded * lower:
-                cap = grown_capacity(cap, size, 2, delta)
-                cost = cost + self.message(stream_bytes(m), p) + merge(m) + result_buffers(cap)
-                m *= 2
+                grown = grown_capacity(cap, size, 2, delta)
+                cost = cost + self.message(stream_bytes(m), p) + merge(m, cap, grown) + result_buffers(grown)
+                cap, m = grown, m * 2
             return cost + staged
         sends = (p - 1) * self.message(stream_bytes(1) / p, p)  # range r of every stream to rank r
         if static:  # every segment and part travels at its whole capacity
@@ -242,11 +259,13 @@ def _on_fresh_thread(measure):
         return pool.submit(measure).result()
 
 
-def _slowest_rank_median(comm: MPI.Comm, run, reps: int) -> float:
+def _slowest_rank_median(comm: MPI.Comm, run, reps: int, before=None) -> float:
     """Median over ``reps`` calls of ``run()`` (after one warm-up) of the slowest rank's time,
-    every call started by all ranks together after a barrier."""
+    every call started by all ranks together after a barrier (and after ``before()``, untimed)."""
     times = []
     for _ in range(reps + 1):
+        if before is not None:
+            before()
         comm.Barrier()
         start = time.perf_counter()
         run()
@@ -260,10 +279,11 @@ def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
     return _slowest_rank_median(comm, lambda: comm.Allreduce(buf, out, op=MPI.SUM), reps)
 
 
-def _jitted_seconds(comm: MPI.Comm, program: str, reps: int) -> float:
-    """Slowest rank's median time of a small jitted program, the steadiest of three blocks:
-    ``"allreduce"``, an mpi4jax allreduce of two floats, or ``"agreement"``, the agreement step
-    and status check of a sparse collective on an empty stream."""
+def _jitted_seconds(comm: MPI.Comm, program: str, reps: int = 15) -> float:
+    """Slowest rank's median time of a small jitted program, each call right after a jitted pass
+    over 16 MB (see :class:`CostModel`), the steadiest of three blocks: ``"allreduce"``, an
+    mpi4jax allreduce of two floats, or ``"agreement"``, the agreement step and status check of a
+    sparse collective on an empty stream."""
     import jax
     import jax.numpy as jnp
     import mpi4jax
@@ -282,7 +302,9 @@ def _jitted_seconds(comm: MPI.Comm, program: str, reps: int) -> float:
             call, arg = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)), jnp.ones(2, jnp.float32)
         else:
             call, arg = jax.jit(agreement), SparseStream.empty(1, 1)
-        return _steadiest(lambda: _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps))
+        evict, vector = jax.jit(lambda v: v * 2.0), jnp.ones(1 << 22, jnp.float32)
+        return _steadiest(lambda: _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps,
+                                                       before=lambda: jax.block_until_ready(evict(vector))))
 
     return _on_fresh_thread(measure)
 
