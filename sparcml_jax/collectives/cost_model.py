@@ -31,7 +31,7 @@ class CostModel:
         at once, as in a round of recursive doubling (on a node the ranks' copies then share
         cores and the memory bus; on a network every link is busy): the median of 15. (Five
         exchanges of 4 MB, the earlier measure, gave 0.19-0.54 ns/B at P = 4 from one
-        calibration to the next; 15 of 16 MB gave 0.30-0.37.)
+        calibration to the next; 15 of 16 MB gave 0.22-0.33 in eleven calibrations.)
       dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
         seconds per byte of the vector from a large one, past the caches): on a node it is bound
         by memory and by the ranks sharing cores, not by the wire, and the SparCML algorithms
@@ -46,14 +46,15 @@ class CostModel:
       call_overhead: what calling a collective from JAX adds around its MPI calls: a jitted
         mpi4jax allreduce of two floats minus the same MPI_Allreduce from mpi4py. It is mostly
         Python: JAX dispatches a program with an ordered effect on its Python path, never the C++
-        fast path (170 us per call in one process here, 200 us per rank at P = 2, 550 at P = 4).
+        fast path (170 us per call in one process here, 200 us per rank at P = 2, 550 at P = 4,
+        called back to back; 0.4 and 1.1-1.6 ms timed as below).
       fixed_cost: what every sparse collective pays whatever it sends: a jitted program of just
         its agreement step (a small allgather) and its status check (a small allreduce).
 
     Both are timed as a collective is called in a training step: right after a computation that
     streamed megabytes through the caches (the backward pass; in the benchmark, the previous
     case). There the agreement program took 1.9-2.1 ms at P = 4, against 0.76 ms called back to
-    back, and the model priced one-call collectives at up to 2.3x below their times.
+    back, and the model priced one-call collectives at up to 2.5x below their times.
     """
 
     alpha: float
