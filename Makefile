@@ -45,7 +45,7 @@ bench: build
 	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(KEEP_HEAP) $(VENV)/bin/mpirun -n $$p $(PY) -m sparcml_jax.bench \
 	  allreduce --sweep issue --reps 7 --calls-per-sample 10 --json benchmarks/in_program_P$$p.json || exit 1; done
 	$(PY) -m sparcml_jax.bench report benchmarks/full_P2.json benchmarks/full_P4.json benchmarks/in_program_P2.json \
-	  benchmarks/in_program_P4.json --out benchmarks
+	  benchmarks/in_program_P4.json $(wildcard benchmarks/emulated_*.json) --out benchmarks
 
 test: build
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
