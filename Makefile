@@ -31,7 +31,9 @@ OVERSUBSCRIBED := MPIR_CVAR_POLLS_BEFORE_YIELD=1 MPIR_CVAR_CH4_PROGRESS_THROTTLE
 # every step page-faults its 16 MB buffers back in (measured: half the demo's step time). glibc
 # would serve such blocks with mmap (MMAP_MAX), trim the main heap (TRIM_THRESHOLD) and delete a
 # worker thread's heap once it is empty (TOP_PAD: 2.36 keeps a heap whose free space is below it).
-# These keep freed memory in the heap instead, for both runs alike.
+# These keep freed memory in the heap instead, for both runs alike. A block over 64 MB that an
+# XLA worker thread allocates is still mapped afresh every call (a thread's heaps hold 64 MB at
+# most); MALLOC_ARENA_MAX=1 would keep it too, but slows the dense baseline (BENCHMARKS.md).
 KEEP_HEAP := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=67108864
 
 # The main job: the URL-like logistic regression, sparse beside dense, on $(NP) ranks.
