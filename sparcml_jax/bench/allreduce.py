@@ -208,7 +208,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     parser.add_argument("--csv", help="write the rows to this CSV file (rank 0)")
     parser.add_argument("--network", default="local", help="label of the network in the rows (e.g. 1gbit)")
+    parser.add_argument("--inline-dispatch", action="store_true",
+                        help="run every program on the calling thread (jax_cpu_enable_async_dispatch=False): XLA "
+                             "then takes temp blocks over 64 MB from the main heap instead of mapping them afresh "
+                             "every call (see BENCHMARKS.md)")
     args = parser.parse_args(argv)
+    if args.inline_dispatch:  # before the first computation creates the CPU client
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     if args.quick:
         args.sweep, args.reps = "quick", 3
     cells = scenarios(args.sweep)
