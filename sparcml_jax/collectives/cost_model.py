@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import time
 
@@ -18,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.comm.topology import (gathered_capacity, grown_capacity, largest_part_capacity, longest_part,
-                                       lower_power_of_two)
+                                       lower_power_of_two, segment_slot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +174,7 @@ class CostModel:
             return cost + staged
         sends = (p - 1) * self.message(stream_bytes(1) / p, p)  # range r of every stream to rank r
         if static:  # every segment and part travels at its whole capacity
-            slot = min(cap, longest_part(size, p))
+            slot = segment_slot(cap, size, p)
             part = largest_part_capacity(cap, size, p, delta)
             sends = (p - 1) * self.message(8.0 * slot, p)
         # What arrives is merged segment after segment into the growing part: the part's pairs
@@ -234,7 +235,7 @@ def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int, de
         extra = exchange(c, receive=False) + exchange(cap, send=False)
         return max(receiver, padded, extra)
     longest = longest_part(n, p)
-    slot = min(c, longest)
+    slot = segment_slot(c, n, p)
     scatter = 5 * c + 2 * slot + 12 * p * slot  # P segments cut, packed, sent and unpacked
     if algorithm == "ssar_split_allgather":
         part = largest_part_capacity(c, n, p, delta)
@@ -303,11 +304,21 @@ def _jitted_seconds(comm: MPI.Comm, program: str, reps: int = 15) -> float:
             call, arg = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)), jnp.ones(2, jnp.float32)
         else:
             call, arg = jax.jit(agreement), SparseStream.empty(1, 1)
-        evict, vector = jax.jit(lambda v: v * 2.0), jnp.ones(1 << 22, jnp.float32)
+        evict, vector = _pass_program(), jnp.ones(1 << 22, jnp.float32)
         return _steadiest(lambda: _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps,
                                                        before=lambda: jax.block_until_ready(evict(vector))))
 
     return _on_fresh_thread(measure)
+
+
+@functools.cache
+def _pass_program():
+    """A pass as the collectives make them: XLA reads a vector into a fresh buffer. It prices a
+    pass per element and evicts the caches before the small programs are timed (one program,
+    compiled once for both)."""
+    import jax
+
+    return jax.jit(lambda v: v * 2.0)
 
 
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
@@ -332,11 +343,11 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
     # merge alone came out at 1.9-3.9 ns per pair at P = 4 from one calibration to the next,
     # the chain at 3.0-3.9, like recursive doubling's merges inside the collective.)
     merged = jax.jit(lambda a, b, c, d: merge(merge(a, b), merge(c, d)).values)
-    # A pass as the collectives make them: XLA reads a 16 MB vector into a fresh buffer. (An
-    # in-place numpy pass on 4 MB, the earlier measure, stayed in cache: 0.05-0.09 ns per element
-    # where this pass takes 0.55 ns per element at P = 2 and 1.05 ns at P = 4, so auto priced
-    # densify and padding passes 5x too low and chose mpi4jax's dense path at 10 %.)
-    doubled = jax.jit(lambda v: v * 2.0)
+    # A pass over 16 MB. (An in-place numpy pass on 4 MB, the earlier measure, stayed in cache:
+    # 0.05-0.09 ns per element where this pass takes 0.55 ns per element at P = 2 and 1.05 ns at
+    # P = 4, so auto priced densify and padding passes 5x too low and chose mpi4jax's dense path
+    # at 10 %.)
+    doubled = _pass_program()
 
     def time_both():
         inputs, vector = [stream() for _ in range(4)], jnp.ones(1 << 22, jnp.float32)

@@ -19,7 +19,7 @@ import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import check_peers, longest_part, part_bounds, part_length
+from sparcml_jax.comm.topology import check_peers, longest_part, part_bounds, part_length, segment_slot
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
 
@@ -122,7 +122,7 @@ def reduce_scatter(s: SparseStream, *, part_capacity: int, status: jax.Array, co
     from sparcml_jax.kernels.merge import merge
 
     rank, parts = comm.Get_rank(), comm.Get_size()
-    slot = min(s.capacity, longest_part(s.size, parts))
+    slot = segment_slot(s.capacity, s.size, parts)
     sendbuf = _segments(s, parts, slot)
     sendbuf = sendbuf.at[:, 1].set(status)
     received = mpi4jax.alltoall(sendbuf, comm=comm) if parts > 1 else sendbuf

@@ -22,6 +22,12 @@ def longest_part(size: int, parts: int) -> int:
     return max(part_length(size, parts, r) for r in range(parts))
 
 
+def segment_slot(capacity: int, size: int, parts: int) -> int:
+    """Pairs of the slot a stream's segment of one range travels in when message sizes are
+    static: the stream's capacity, but no more than the longest range."""
+    return min(capacity, longest_part(size, parts))
+
+
 def check_peers(comm, **peers: int | None) -> None:
     """Rejects a peer rank outside ``comm`` (MPI would fail inside the compiled program)."""
     size = comm.Get_size()
