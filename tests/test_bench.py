@@ -1,14 +1,21 @@
 """The benchmark CLI runs end to end and writes well-formed rows (no timing assertions)."""
 
 import json
+import resource
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import pytest
+from mpi4py import MPI
 from mpi_spawn import run_under_mpirun
+
+from sparcml_jax.bench._fresh_pages import THREAD_HEAP_BYTES, fresh_pages, page_cost
 
 ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max",
             "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network", "calls_per_sample",
-            "steal_seconds", "page_faults"}
+            "steal_seconds", "page_faults", "fresh_pages", "page_cost"}
 
 
 def test_quick_allreduce_sweep_and_report(tmp_path):
@@ -62,3 +69,47 @@ def test_quick_train_benchmark(tmp_path):
         ("digits_mlp", "sparse"), ("digits_mlp", "dense"), ("digits_mlp", "bucketed")}
     for r in rows:  # the target is the worst final loss (+5 %): every run reaches it
         assert r["step_ms"] > 0 and r["time_to_target_s"] is not None
+
+
+def _two_scans(x):  # XLA keeps both scans' results: a temp block of about 2 x 4 N bytes
+    y = jnp.cumsum(x * 2.0)
+    return y + jnp.cumsum(jnp.flip(y) * 3.0)
+
+
+def test_fresh_pages_counts_a_worker_threads_temp_block_over_the_thread_heap():
+    x = jnp.ones(1 << 24, jnp.float32)
+    program = jax.jit(_two_scans)
+    compiled = program.lower(x).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes >= THREAD_HEAP_BYTES
+    pages = fresh_pages(compiled, program(x))
+    assert pages >= THREAD_HEAP_BYTES // 4096
+    for _ in range(2):
+        program(x).block_until_ready()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        program(x).block_until_ready()
+    faults_per_call = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+    assert faults_per_call >= 0.9 * pages  # every call faults the whole block in again
+
+
+@pytest.mark.parametrize("size", [4, 1 << 20])
+def test_fresh_pages_is_zero_for_cheap_programs_and_blocks_that_fit_a_heap(size):
+    x = jnp.ones(size, jnp.float32)
+    increment, scans = jax.jit(lambda v: v + 1.0), jax.jit(_two_scans)
+    assert fresh_pages(increment.lower(x).compile(), increment(x)) == 0  # under 1000 flops: runs inline
+    assert fresh_pages(scans.lower(x).compile(), scans(x)) == 0  # blocks of 8 MB at most
+
+
+def test_fresh_pages_is_zero_when_every_program_runs_inline():
+    x = jnp.ones(1 << 24, jnp.float32)
+    program = jax.jit(_two_scans)
+    compiled, outputs = program.lower(x).compile(), program(x)
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    try:
+        assert fresh_pages(compiled, outputs) == 0
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
+
+
+def test_page_cost_is_microseconds_per_page():
+    assert 1e-8 < page_cost(MPI.COMM_SELF, nbytes=8 << 20, reps=3) < 1e-4

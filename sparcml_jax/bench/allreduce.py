@@ -6,8 +6,9 @@ rows report the median, min and max of those samples and the ratio to the dense 
 allreduce measured in the same run. With ``--calls-per-sample R`` a sample is R calls in one
 jitted program, divided by R: the cost of a collective inside a training step, without the
 dispatch of a jitted call per collective (0.2 ms per rank at P = 2, 0.55 ms at P = 4 here). Rows
-also record the CPU time the hypervisor took and the most page faults of any rank in their cell,
-the two usual suspects when a cell runs slow.
+also record the CPU time the hypervisor took during their cell and the page faults per call of
+their slowest rank, the two usual suspects when a row runs slow. The model's prediction includes
+the pages XLA maps afresh on every call (``_fresh_pages``), at a cost per page measured in the run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
+from sparcml_jax.bench._fresh_pages import fresh_pages, page_cost
 from sparcml_jax.bench._timing import block, fmt_time, print_table, repeated_in_one_program
 from sparcml_jax.collectives import ALGORITHMS, dense_allreduce, sparse_allgather, sparse_allreduce
 from sparcml_jax.collectives._agree import cost_model_for
@@ -110,6 +112,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm)
+    page_seconds = page_cost(comm)
     rows = []
     for cell_index, (size, density, support) in enumerate(cells):
         k = max(1, int(round(size * density)))
@@ -131,10 +134,11 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             for algorithm in algorithms:
                 cases[(algorithm, transport)] = (lambda s, a=algorithm, t=transport: sparse_allreduce(
                     s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True), (s,))
-        stats, timed = {}, {}
+        stats, timed, pages = {}, {}, {}
         for name, (call, args) in cases.items():  # compile and warm up
             if call is None:  # outside JAX: `args` is the call itself
                 timed[name] = lambda run=args: [run() for _ in range(calls_per_sample)]
+                pages[name] = 0
                 continue
             single = jax.jit(call)
             first = block(single(*args))
@@ -142,18 +146,19 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 stats[name] = first[1]
             program = single if calls_per_sample == 1 else repeated_in_one_program(call, calls_per_sample)
             timed[name] = lambda program=program, args=args: program(*args)
-            block(timed[name]())
-        samples = {name: [] for name in cases}
-        steal_before, faults_before = _steal_seconds(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            pages[name] = fresh_pages(program.lower(*args).compile(), block(timed[name]()))
+        samples, faults = {name: [] for name in cases}, {name: 0 for name in cases}
+        steal_before = _steal_seconds()
         for rep in range(reps):  # interleaved, so that noise hits every case alike
             # A new order every repetition (the same on every rank): a case must not always follow
             # the one that leaves the most memory to give back (DSAR, the dense baselines).
             order = list(cases)
             np.random.default_rng(rep).shuffle(order)
             for name in order:
+                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 samples[name] += [t / calls_per_sample for t in _timed(comm, timed[name], 1)]
+                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
         steal_after = _steal_seconds()
-        faults = comm.allreduce(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before, op=MPI.MAX)
         steal = None if steal_before is None or steal_after is None else steal_after - steal_before
         dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
         for name, times in samples.items():
@@ -169,12 +174,16 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 predicted = model.dense_baseline(size, nprocs) - model.call_overhead
             else:
                 predicted = None
+            if predicted is not None:
+                predicted += pages[name] * page_seconds / calls_per_sample
             rows.append(dict(
                 P=nprocs, N=size, density=density, support=support, algorithm=name[0], transport=name[1],
                 chosen=chosen, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
                 ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
                 result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
-                calls_per_sample=calls_per_sample, steal_seconds=steal, page_faults=faults,
+                calls_per_sample=calls_per_sample, steal_seconds=steal,
+                page_faults=comm.allreduce(faults[name], op=MPI.MAX) / (reps * calls_per_sample),
+                fresh_pages=pages[name] / calls_per_sample, page_cost=page_seconds,
                 **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
             ))
     if progress:
