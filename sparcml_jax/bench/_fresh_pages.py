@@ -1,14 +1,15 @@
 """Pages that a jitted program maps afresh on every call, and what one costs.
 
 XLA:CPU gives every call of a program one temp block of ``compiled.memory_analysis()
-.temp_size_in_bytes`` and a fresh buffer per output. It runs the program on the calling thread when async dispatch is off or
-when XLA's cost analysis counts fewer than 1000 flops (the PjRt CPU client's "cheap
-computation": our native collectives, whose work is in FFI calls), and on a worker thread
-otherwise (the mpi4jax transport's programs). glibc serves threads other than the main one from
+.temp_size_in_bytes`` and a fresh buffer per output. It runs the program on the calling thread
+when async dispatch is off or when XLA's cost analysis counts fewer than 1000 flops (the PjRt
+CPU client's "cheap computation": our native collectives, whose work is in FFI calls), and on a
+worker thread otherwise (the mpi4jax transport's programs). glibc serves threads other than the main one from
 heaps of at most 64 MiB (``HEAP_MAX_SIZE`` on 64-bit Linux): it maps a larger block for the one
 allocation, whatever ``MALLOC_MMAP_MAX_`` says, and unmaps it when it is freed, so the next call
 faults every page in again. The main thread's blocks come from the main heap, which the
-Makefile's ``KEEP_HEAP`` keeps. (Measured with ``strace -f``: an mpi4jax program at N = 2^22,
+Makefile's ``KEEP_HEAP`` keeps (without it glibc unmaps large blocks there too, and the rule
+counts too few). (Measured with ``strace -f``: an mpi4jax program at N = 2^22,
 P = 4 mapped and unmapped 80 MiB on a worker thread per call, 21 000 page faults; the native
 program with the same temp size mapped nothing. In a full sweep at P = 4 the rule gave every
 row's page faults per call: 18 433 and 20 481 at 2^22, 49 153 for DSAR at 2^24, where two
