@@ -1,6 +1,7 @@
 """The benchmark CLI runs end to end and writes well-formed rows (no timing assertions)."""
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from sparcml_jax.bench._fresh_pages import THREAD_HEAP_BYTES, fresh_pages, page_
 
 ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max",
             "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network", "calls_per_sample",
-            "steal_seconds", "page_faults", "fresh_pages", "page_cost"}
+            "steal_seconds", "page_faults", "fresh_pages", "page_cost", "time_slice_us"}
 
 
 def test_quick_allreduce_sweep_and_report(tmp_path):
@@ -113,3 +114,30 @@ def test_fresh_pages_is_zero_when_every_program_runs_inline():
 
 def test_page_cost_is_microseconds_per_page():
     assert 1e-8 < page_cost(MPI.COMM_SELF, nbytes=8 << 20, reps=3) < 1e-4
+
+
+_SLICE_PROBE = """
+import threading
+from sparcml_jax.bench._time_slice import apply_from_environment, current_time_slice_us
+apply_from_environment()
+seen = []
+thread = threading.Thread(target=lambda: seen.append(current_time_slice_us()))
+thread.start(); thread.join()
+print(current_time_slice_us(), seen[0])
+"""
+
+
+def test_time_slice_from_the_environment_reaches_threads_started_later():
+    probe = subprocess.run([sys.executable, "-c", _SLICE_PROBE], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "SPARCML_JAX_SCHED_SLICE_US": "300"})
+    assert probe.returncode == 0, probe.stderr
+    if "sched_setattr" in probe.stderr:  # a kernel without custom slices warns and leaves it
+        pytest.skip(probe.stderr.strip())
+    assert probe.stdout.split() == ["300.0", "300.0"]
+
+
+@pytest.mark.parametrize("value", ["fast", "50"])
+def test_time_slice_rejects_what_the_kernel_cannot_take(value):
+    probe = subprocess.run([sys.executable, "-c", _SLICE_PROBE], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "SPARCML_JAX_SCHED_SLICE_US": value})
+    assert probe.returncode != 0 and "SPARCML_JAX_SCHED_SLICE_US" in probe.stderr

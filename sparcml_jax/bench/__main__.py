@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     import importlib
 
+    from sparcml_jax.bench._time_slice import apply_from_environment
+
+    apply_from_environment()  # before JAX starts its threads, which then inherit the slice
     importlib.import_module(commands[argv[0]]).main(argv[1:])
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.bench._fresh_pages import fresh_pages, page_cost
+from sparcml_jax.bench._time_slice import current_time_slice_us
 from sparcml_jax.bench._timing import block, fmt_time, print_table, repeated_in_one_program
 from sparcml_jax.collectives import ALGORITHMS, dense_allreduce, sparse_allgather, sparse_allreduce
 from sparcml_jax.collectives._agree import cost_model_for
@@ -113,6 +114,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm)
     page_seconds = page_cost(comm)
+    time_slice_us = current_time_slice_us()
     rows = []
     for cell_index, (size, density, support) in enumerate(cells):
         k = max(1, int(round(size * density)))
@@ -183,7 +185,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
                 calls_per_sample=calls_per_sample, steal_seconds=steal,
                 page_faults=comm.allreduce(faults[name], op=MPI.MAX) / (reps * calls_per_sample),
-                fresh_pages=pages[name] / calls_per_sample, page_cost=page_seconds,
+                fresh_pages=pages[name] / calls_per_sample, page_cost=page_seconds, time_slice_us=time_slice_us,
                 **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
             ))
     if progress:
@@ -242,7 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"jitted call overhead={model.call_overhead * 1e6:.0f} us  "
               f"agreement + check={model.fixed_cost * 1e6:.0f} us  "
               f"dense allreduce={model.dense_beta * 1e9:.3f} ns/B  merge={model.pair_cost * 1e9:.2f} ns/pair  "
-              f"pass={model.element_cost * 1e9:.3f} ns/element")
+              f"pass={model.element_cost * 1e9:.3f} ns/element  fresh page={rows[0]['page_cost'] * 1e6:.1f} us  "
+              f"time slice={rows[0]['time_slice_us'] or 0:.0f} us")
         print_table(
             ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
              "MB sent/rank", "result density", "model"],

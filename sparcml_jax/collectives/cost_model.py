@@ -34,9 +34,12 @@ class CostModel:
         exchanges of 4 MB, the earlier measure, gave 0.19-0.54 ns/B at P = 4 from one
         calibration to the next; 15 of 16 MB gave 0.22-0.33 in eleven calibrations.)
       dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
-        seconds per byte of the vector from a large one, past the caches): on a node it is bound
-        by memory and by the ranks sharing cores, not by the wire, and the SparCML algorithms
-        must beat the real thing.
+        seconds per byte of the vector from the median of 15 of 16 MB, past the caches): on a
+        node it is bound by memory and by the ranks sharing cores, not by the wire, and the
+        SparCML algorithms must beat the real thing. (Five of 8 MB, the earlier measure, stayed
+        partly in cache: 0.24 ns/B at P = 2 where 16 MB costs 0.29-0.31, so the model priced
+        the dense baseline 1.4-1.55x below its time there; at P = 4 they gave 0.67-1.56 ns/B from
+        one calibration to the next, 16 MB gave 0.83-0.99 in six.)
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
         on streams of 4 MB (past the caches, like the messages that matter), two merges and a
         merge of their results as a collective chains them, on every rank at once (so ranks that
@@ -69,14 +72,14 @@ class CostModel:
 
     @classmethod
     def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 16 << 20, large_reps: int = 15,
-                  dense_bytes: int = 8 << 20) -> "CostModel":
+                  dense_bytes: int = 16 << 20) -> "CostModel":
         """Measures the model on ``comm``; every rank gets rank 0's numbers (identical choices)."""
         if comm.Get_size() < 2:
             return cls(alpha=0.0, beta=0.0)
         small = np.zeros(1, np.float64)
         _pairwise_exchange(comm, large_bytes, 2)  # MPICH sets up its large-message path on first use
         t_large = _pairwise_exchange(comm, large_bytes, large_reps)
-        d_large = _allreduce_seconds(comm, dense_bytes // 4)
+        d_large = _allreduce_seconds(comm, dense_bytes // 4, large_reps)
         # Small operations on ranks that share cores run in phases: in a fresh process a whole
         # block of 50 small allreduces or ping-pongs took 1.3-1.4 ms each instead of 30 us. The
         # fastest of three blocks is the steady state.
