@@ -11,11 +11,12 @@ HERE=$(cd "$(dirname "$0")" && pwd); ROOT=$(dirname "$HERE"); VENV="$ROOT/.venv"
 export PATH="$VENV/bin:$PATH"
 "$HERE/nscluster.sh" up "$P" "$RATE" >/dev/null
 before=$("$HERE/nscluster.sh" bytes)
-# KEEP_HEAP and OVERSUBSCRIBED of the Makefile (why: there; the "hosts" share this machine's cores).
+# KEEP_HEAP, OVERSUBSCRIBED and SHORT_SLICE of the Makefile (why: there; the "hosts" share this
+# machine's cores).
 "$HERE/nscluster.sh" run -n "$P" -genv JAX_PLATFORMS cpu -genv MALLOC_MMAP_MAX_ 0 \
   -genv MALLOC_TRIM_THRESHOLD_ 4294967296 -genv MALLOC_TOP_PAD_ 67108864 \
   -genv MPIR_CVAR_POLLS_BEFORE_YIELD 1 -genv MPIR_CVAR_CH4_PROGRESS_THROTTLE 1 \
-  -genv MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT 1 \
+  -genv MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT 1 -genv SPARCML_JAX_SCHED_SLICE_US 100 \
   -- "$VENV/bin/python" -m sparcml_jax.bench allreduce \
   --network "$RATE" --json "$OUT" "$@"
 sent=$(( $("$HERE/nscluster.sh" bytes) - before ))
