@@ -39,7 +39,7 @@ class CostModel:
         SparCML algorithms must beat the real thing. (Five of 8 MB, the earlier measure, stayed
         partly in cache: 0.24 ns/B at P = 2 where 16 MB costs 0.29-0.31, so the model priced
         the dense baseline 1.4-1.55x below its time there; at P = 4 they gave 0.67-1.56 ns/B from
-        one calibration to the next, 16 MB gave 0.83-0.99 in six.)
+        one calibration to the next, 16 MB gave 0.77-0.99 in eleven.)
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
         on streams of 4 MB (past the caches, like the messages that matter), two merges and a
         merge of their results as a collective chains them, on every rank at once (so ranks that
