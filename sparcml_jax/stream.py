@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -116,19 +117,25 @@ class SparseStream:
         reaches the threshold. More nonzeros than ``capacity`` give a stream with ``nnz`` above
         its capacity, which every consumer rejects (see :func:`sparcml_jax.from_dense`).
         """
-        from sparcml_jax.kernels.partition import from_dense
-
-        return from_dense(x, capacity=capacity, delta=delta)
+        return _conversions["from_dense"](x, capacity=capacity, delta=delta)
 
     def to_dense(self) -> jax.Array:
-        """The float32[size] vector this stream represents."""
-        from sparcml_jax.kernels.partition import scatter_add
-
-        return scatter_add(self, jnp.zeros((self.size,), VALUE_DTYPE))
+        """The float32[size] vector this stream represents (an invalid stream raises)."""
+        return _conversions["to_dense"](self)
 
     def wire_bytes(self) -> jax.Array:
         """Bytes this stream costs on the wire: the valid pairs, or the dense values."""
         return jnp.where(self.is_dense, self.size * VALUE_BYTES, self.nnz * (INDEX_BYTES + VALUE_BYTES))
+
+
+# The conversions are kernels (sparcml_jax.kernels.partition: C on CPU, jnp elsewhere, validated),
+# which depend on this type; they install themselves here when the package is imported.
+_conversions: dict[str, Callable] = {}
+
+
+def install_conversions(*, from_dense: Callable, to_dense: Callable) -> None:
+    """Makes :meth:`SparseStream.from_dense` and :meth:`SparseStream.to_dense` use these kernels."""
+    _conversions.update(from_dense=from_dense, to_dense=to_dense)
 
 
 def dense_stream(values: jax.Array) -> SparseStream:

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
-from sparcml_jax.comm import get_transport, resolve_comm
+from sparcml_jax.comm import check_transport, resolve_comm
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
@@ -150,7 +150,7 @@ def allreduce_gradients(
         raise ValueError(f"quantize_bits needs algorithm 'auto' or 'dsar_split_allgather', got {algorithm!r}")
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
-    get_transport(transport)
+    check_transport(transport)
     if not isinstance(warmup_steps, jax.core.Tracer) and (jnp.ndim(warmup_steps) != 0 or int(warmup_steps) < 0):
         raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
     if capacity is not None and (not isinstance(capacity, int) or capacity < 1 or not (density is None and k is None)):

@@ -1,22 +1,19 @@
 """The benchmark CLI runs end to end and writes well-formed rows (no timing assertions)."""
 
 import json
-import os
-import resource
 import subprocess
 import sys
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
-from mpi4py import MPI
 from mpi_spawn import run_under_mpirun
 
-from sparcml_jax.bench._fresh_pages import THREAD_HEAP_BYTES, fresh_pages, page_cost
+from sparcml_jax import CostModel
 
 ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max",
             "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network", "calls_per_sample",
-            "steal_seconds", "page_faults", "fresh_pages", "page_cost", "time_slice_us"}
+            "steal_seconds", "page_faults", "auto_over_best_fixed"}
+SHORT_SLICE = Path(__file__).parent.parent / "tools" / "short_slice.py"
 
 
 def test_quick_allreduce_sweep_and_report(tmp_path):
@@ -29,9 +26,10 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
     assert {r["algorithm"] for r in rows} >= {"dense mpi4jax", "mpi4py Allreduce (numpy)", "naive allgather+sum",
                                               "allgather+dense sum (DGC)",
                                               "ssar_recursive_doubling", "ssar_split_allgather",
-                                              "dsar_split_allgather", "auto"}
+                                              "dsar_split_allgather", "sparse_ring", "auto"}
     for r in rows:
         assert r["P"] == 2 and r["min"] <= r["median"] <= r["max"] and r["ratio_to_dense"] > 0
+        assert (r["auto_over_best_fixed"] is not None) == (r["algorithm"] == "auto")
     report = subprocess.run([sys.executable, "-m", "sparcml_jax.bench", "report", str(out), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
@@ -47,7 +45,7 @@ def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):
     rows = json.loads(out.read_text())
     assert rows and all(ROW_KEYS <= set(r) and r["calls_per_sample"] == 3 for r in rows)
     assert {r["chosen"] for r in rows if r["algorithm"] == "auto"} <= {"ssar_recursive_doubling", "ssar_split_allgather",
-                                                                     "dsar_split_allgather", "dense"}
+                                                                     "dsar_split_allgather", "sparse_ring", "dense"}
 
 
 def test_quick_overlap_benchmark(tmp_path):
@@ -72,72 +70,55 @@ def test_quick_train_benchmark(tmp_path):
         assert r["step_ms"] > 0 and r["time_to_target_s"] is not None
 
 
-def _two_scans(x):  # XLA keeps both scans' results: a temp block of about 2 x 4 N bytes
-    y = jnp.cumsum(x * 2.0)
-    return y + jnp.cumsum(jnp.flip(y) * 3.0)
+def test_calibrate_writes_a_model_that_auto_then_uses(tmp_path):
+    """``bench calibrate --out`` writes the model; with SPARCML_JAX_COST_MODEL naming it, auto
+    chooses with it and measures nothing."""
+    model_file = tmp_path / "model.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "calibrate", "--out", str(model_file)], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    model = CostModel.load(str(model_file))
+    assert model.alpha > 0 and model.beta > 0 and model.dense_beta > 0
+    code = ("import jax.numpy as jnp; from mpi4py import MPI; import sparcml_jax as sj\n"
+            "from sparcml_jax.collectives import auto\n"
+            "s = sj.SparseStream.from_dense(jnp.zeros(64).at[MPI.COMM_WORLD.rank].set(1.0), capacity=2)\n"
+            "out = sj.sparse_allreduce(s, algorithm='auto')\n"
+            "print('SUM', float(out.to_dense().sum()), 'MEASURED', len(auto._calibrated))")
+    result = run_under_mpirun(2, ["-c", code], timeout=60, env={"SPARCML_JAX_COST_MODEL": str(model_file)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("SUM 2.0 MEASURED 0") == 2, result.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bench calibrate --out FILE"):
+        CostModel.load(str(bad))
 
 
-def test_fresh_pages_counts_a_worker_threads_temp_block_over_the_thread_heap():
-    x = jnp.ones(1 << 24, jnp.float32)
-    program = jax.jit(_two_scans)
-    compiled = program.lower(x).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes >= THREAD_HEAP_BYTES
-    pages = fresh_pages(compiled, program(x))
-    assert pages >= THREAD_HEAP_BYTES // 4096
-    for _ in range(2):
-        program(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        program(x).block_until_ready()
-    faults_per_call = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
-    assert faults_per_call >= 0.9 * pages  # every call faults the whole block in again
+def test_quick_latency_benchmark(tmp_path):
+    out = tmp_path / "latency.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "latency", "--reps", "5", "--json", str(out)],
+                              timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["case"] for r in rows} == {"mpi4jax allreduce (1 float32)", "ssar_recursive_doubling", "auto"}
+    assert all(r["median"] > 0 and r["first_call_s"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("size", [4, 1 << 20])
-def test_fresh_pages_is_zero_for_cheap_programs_and_blocks_that_fit_a_heap(size):
-    x = jnp.ones(size, jnp.float32)
-    increment, scans = jax.jit(lambda v: v + 1.0), jax.jit(_two_scans)
-    assert fresh_pages(increment.lower(x).compile(), increment(x)) == 0  # under 1000 flops: runs inline
-    assert fresh_pages(scans.lower(x).compile(), scans(x)) == 0  # blocks of 8 MB at most
-
-
-def test_fresh_pages_is_zero_when_every_program_runs_inline():
-    x = jnp.ones(1 << 24, jnp.float32)
-    program = jax.jit(_two_scans)
-    compiled, outputs = program.lower(x).compile(), program(x)
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
-    try:
-        assert fresh_pages(compiled, outputs) == 0
-    finally:
-        jax.config.update("jax_cpu_enable_async_dispatch", True)
-
-
-def test_page_cost_is_microseconds_per_page():
-    assert 1e-8 < page_cost(MPI.COMM_SELF, nbytes=8 << 20, reps=3) < 1e-4
-
-
-_SLICE_PROBE = """
-import threading
-from sparcml_jax.bench._time_slice import apply_from_environment, current_time_slice_us
-apply_from_environment()
-seen = []
-thread = threading.Thread(target=lambda: seen.append(current_time_slice_us()))
-thread.start(); thread.join()
-print(current_time_slice_us(), seen[0])
-"""
-
-
-def test_time_slice_from_the_environment_reaches_threads_started_later():
-    probe = subprocess.run([sys.executable, "-c", _SLICE_PROBE], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "SPARCML_JAX_SCHED_SLICE_US": "300"})
-    assert probe.returncode == 0, probe.stderr
-    if "sched_setattr" in probe.stderr:  # a kernel without custom slices warns and leaves it
-        pytest.skip(probe.stderr.strip())
-    assert probe.stdout.split() == ["300.0", "300.0"]
+def test_short_slice_reaches_the_command_and_its_threads():
+    probe = ("import threading\n"
+             "def slice_us():\n"
+             "    return [l for l in open('/proc/thread-self/sched') if l.startswith('se.slice')][0].split(':')[1].strip()\n"
+             "seen = []\n"
+             "t = threading.Thread(target=lambda: seen.append(slice_us())); t.start(); t.join()\n"
+             "print(slice_us(), seen[0])")
+    run = subprocess.run([sys.executable, str(SHORT_SLICE), "300", sys.executable, "-c", probe], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    if "sched_setattr" in run.stderr:  # a kernel without custom slices warns and leaves it
+        pytest.skip(run.stderr.strip())
+    assert run.stdout.split() == ["300000", "300000"]
 
 
 @pytest.mark.parametrize("value", ["fast", "50"])
-def test_time_slice_rejects_what_the_kernel_cannot_take(value):
-    probe = subprocess.run([sys.executable, "-c", _SLICE_PROBE], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "SPARCML_JAX_SCHED_SLICE_US": value})
-    assert probe.returncode != 0 and "SPARCML_JAX_SCHED_SLICE_US" in probe.stderr
+def test_short_slice_rejects_what_the_kernel_cannot_take(value):
+    run = subprocess.run([sys.executable, str(SHORT_SLICE), value, "true"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0 and "short_slice.py" in run.stderr

@@ -7,7 +7,8 @@ import pytest
 
 MODULES = [
     "sparcml_jax.stream", "sparcml_jax.kernels.merge", "sparcml_jax.collectives",
-    "sparcml_jax.collectives.dense", "sparcml_jax.transform",
+    "sparcml_jax.collectives.dense", "sparcml_jax.collectives.cost_model", "sparcml_jax.comm.simulated",
+    "sparcml_jax.transform",
 ]
 
 

@@ -76,7 +76,7 @@ def test_mixed_program_has_exactly_one_token_chain():
     text = jax.jit(mixed).lower(s, x).as_text()
     targets = re.findall(r"custom_call @(\w+)", text)
     # All three kinds of MPI op are in the program (otherwise the count below proves nothing).
-    assert "sparcml_mpi_summary" in targets and "sparcml_mpi_check" in targets, targets
+    assert "sparcml_mpi_run" in targets, targets
     assert "mpi_allreduce_ffi" in targets, targets
     assert "sparcml_engine_start" in targets and "sparcml_engine_wait" in targets, targets
     sig = signatures(text)
@@ -201,13 +201,22 @@ def test_single_process_bad_stream_raises():
                                   np.asarray(good.to_dense()))
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_exchange_with_a_peer_outside_the_communicator_raises(transport):
-    from sparcml_jax.comm import get_transport
+def test_exchange_with_a_peer_outside_the_communicator_raises():
+    from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
+    from sparcml_jax.comm.native import Recorder
 
     s = stream(100, [1, 2], capacity=4)
-    exchange = get_transport(transport).exchange
-    with pytest.raises(ValueError, match=r"dest=1 is not a rank of this communicator of 1 ranks"):
-        exchange(s, dest=1, source=0, recv_capacity=4, status=jnp.int32(0), comm=MPI.COMM_WORLD)
-    with pytest.raises(ValueError, match=r"source=-2 is not a rank"):
-        exchange(s, dest=None, source=-2, recv_capacity=4, status=jnp.int32(0), comm=MPI.COMM_WORLD)
+    for t in (Recorder(0, 1, 1.0, 100), Mpi4jaxTransport(MPI.COMM_WORLD, 1.0, 100)):
+        with pytest.raises(ValueError, match=r"must name ranks in \[0, 1\), each at most once"):
+            t.exchange(s, [(0, 1)], combine="add")
+        with pytest.raises(ValueError, match=r"must name ranks in \[0, 1\)"):
+            t.exchange(s, [(-2, 0)], combine="add")
+
+
+def test_one_program_per_call_on_the_native_transport():
+    """A blocking native collective is one FFI call: no agreement step before it, no status
+    check after it (they ride on the algorithm's own messages)."""
+    s = stream(64, [3, 9, 40], capacity=8)
+    for algorithm in ALGORITHMS:
+        text = jax.jit(lambda s: sparse_allreduce(s, algorithm=algorithm).values).lower(s).as_text()
+        assert re.findall(r"custom_call @(sparcml_mpi\w+)", text) == ["sparcml_mpi_run"], algorithm

@@ -1,14 +1,20 @@
-// Wire format of the native transport: one message per stream, as in SparCML's own C.
-//   header {status, count, dense} then either count int32 indices + count float32 values
-//   (pairs) or count float32 values (dense slice). Indices are relative to the receiver's range.
-// The blocking exchange and the allgather (mpi_ops.cc) send the same parts as separate messages
-// under one tag, straight from and into XLA's buffers.
+// The native transport's wire protocol: every message of a collective call starts with a header
+// that carries the call's signature hash and error flags, so that agreement and validation ride
+// on the algorithm's own messages (no agreement round before a call, no status round after it).
+//
+//   header {signature, kind, flags, bad rank, count, dense, inline, nnz max/min/sum}
+//   then `count` int32 indices + `count` float32 values (pairs), or `count` float32 values (a
+//   dense slice): inside the header's message when small, else as two more messages under the
+//   same tag, straight from the sender's buffers (MPI keeps messages of one source and tag in order).
+//
+// A receiver compares the signature hash with its own and ORs the flags into its own; the flags
+// travel on in every later message, so an error reaches every rank whose result depends on the
+// failing rank. A hash that differs means the ranks may run different schedules: the rank that
+// sees it aborts the call (see Call::Abort), which every rank then joins.
 #pragma once
 
 #include <mpi.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -18,18 +24,12 @@
 #include <utility>
 #include <vector>
 
-#include "ffi_common.h"
-
 namespace sparcml {
 
 // SparCML's rule: pairs cost 8 bytes and dense values 4, so a stream over `size` entries turns
 // dense once it holds this many (delta scales the switch point). A huge delta (1e300: "never
 // dense") saturates instead of overflowing the conversion.
-inline int64_t DenseThreshold(int64_t size, double delta) {
-  double threshold = std::ceil(delta * size * 4 / 8);
-  if (threshold >= static_cast<double>(std::numeric_limits<int64_t>::max())) return std::numeric_limits<int64_t>::max();
-  return std::max<int64_t>(1, static_cast<int64_t>(threshold));
-}
+int64_t DenseThreshold(int64_t size, double delta);
 
 // A vector that leaves its elements uninitialized: message and scratch buffers are written in
 // full before they are read, and zeroing megabytes per call would cost a memory pass each.
@@ -55,81 +55,112 @@ template <class T>
 using Scratch = std::vector<T, NoInit<T>>;
 using Bytes = Scratch<char>;
 
-enum Status : int32_t { kOk = 0, kBadInput = 1, kOverflow = 2, kPeerFailed = 3 };
+enum Kind : int32_t { kData = 1, kAbort = 2 };
+// Error flags, ORed along the schedule.
+enum Flag : int32_t { kBadInput = 1, kRejected = 2 };
 
 struct Header {
-  int32_t status;
-  int32_t count;
-  int32_t dense;
-  int32_t reserved;
+  uint64_t signature = 0;
+  int32_t kind = kData;
+  int32_t flags = 0;
+  int32_t bad_rank = std::numeric_limits<int32_t>::max();  // lowest rank whose input is invalid
+  int32_t count = 0;                                        // pairs, or values of a dense slice
+  int32_t dense = 0;
+  int32_t inline_payload = 0;
+  int64_t nnz_max = 0, nnz_min = 0, nnz_sum = 0;            // carried by the agreement step
 };
 
-// The detailed message of the last local failure; reported by the final check on this rank.
-std::string& LastError();
-void SetError(Status* status, Status code, const std::string& message);
-
-inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(handle)); }
-inline int Peer(int64_t rank) { return rank < 0 ? MPI_PROC_NULL : static_cast<int>(rank); }
-
-// Packs pairs [begin, end) of a stream, re-based by `offset`, or a dense slice when cheaper.
-Bytes PackSegment(const int32_t* idx, const float* val, int64_t begin, int64_t end, int64_t offset,
-                              int64_t length, bool source_dense, int32_t status, double delta);
-
-struct Segment {
-  Header header{};
-  const int32_t* idx = nullptr;  // null for a dense slice
-  const float* val = nullptr;
-};
-Segment UnpackSegment(const char* data, size_t size);
-// This rank's status after receiving a peer's header: an error there turns it into kPeerFailed.
-Status Incoming(Status local, const Header& peer);
-inline Status Incoming(Status local, const Segment& s) { return Incoming(local, s.header); }
 inline int64_t PayloadBytes(const Header& h) { return int64_t{h.count} * (h.dense ? 4 : 8); }
 
-// A stream's parts as separate messages under one tag, which MPI keeps in order: the header, then
-// the indices (pairs only) and the values, straight from the caller's buffers (valid until the
-// requests appended to `sends` complete).
-void PostParts(const Header& h, const int32_t* idx, const float* val, int dest, int tag, MPI_Comm comm,
-               std::vector<MPI_Request>* sends);
-Header ReceiveHeader(int source, int tag, MPI_Comm comm);
-// The payload that follows header `h`, into idx (pairs only) and val.
-void ReceivePayload(const Header& h, int32_t* idx, float* val, int source, int tag, MPI_Comm comm);
-inline Segment UnpackSegment(const Bytes& buffer) { return UnpackSegment(buffer.data(), buffer.size()); }
+inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(handle)); }
 
-// Signatures that ranks compare travel as int64 fields named by a comma-separated list;
-// delta, alpha and beta are doubles stored bit for bit.
+// The two private duplicates of a user communicator: one for calls that run on the calling
+// thread, one for the progress engine's thread, so that their messages never meet. Both are made
+// by the first call of either kind on the communicator (a collective call, in program order).
+struct Channels {
+  MPI_Comm blocking, engine;
+  int64_t blocking_calls, engine_calls;
+};
+Channels& ChannelsOf(MPI_Comm user);
+
+// The static signature of a call, as ranks compare it: named int64 fields (doubles stored bit
+// for bit) and their hash, which travels in every header.
+struct Signature {
+  uint64_t hash = 0;
+  std::vector<int64_t> fields;
+  std::vector<std::string> names;
+};
 std::vector<std::string> SplitFieldNames(std::string_view names);
-std::string RenderField(const std::string& name, int64_t value);
 
-// The first of the leading `fields` values of every rank's row (rank r's row starts at
-// all + r * row) on which the ranks disagree, with every rank's value listed (the first 8);
-// an empty `field` means that they all agree.
-struct Disagreement {
-  std::string field, listing;
+// Raised inside a call once this rank has joined the call's abort; the interpreter unwinds.
+struct Aborted {};
+
+// One collective call on a channel: the message protocol, this rank's error state and the
+// accounting of what it sent. `background` (the engine's thread) waits by polling with naps, so
+// that it leaves the core to the computation it overlaps; the calling thread blocks in MPI.
+class Call {
+ public:
+  Call(MPI_Comm comm, int tag, Signature signature, bool background);
+  ~Call();
+
+  int rank() const { return rank_; }
+  int nprocs() const { return nprocs_; }
+  MPI_Comm comm() const { return comm_; }
+  bool failed() const { return flags_ != 0; }
+  int32_t flags() const { return flags_; }
+  int32_t bad_rank() const { return bad_rank_; }
+  double sent() const { return sent_; }
+  void CountSent(double bytes) { sent_ += bytes; }
+  void Fail(int32_t flag, int32_t bad_rank);
+
+  // A header of this call carrying the error state, for a payload of `count` entries.
+  Header Make(int64_t count, bool dense) const;
+  // Posts a message to `dest` (payload `idx` (pairs only) and `val`, valid until WaitSends).
+  void Send(int dest, Header h, const int32_t* idx, const float* val);
+  void WaitSends();
+  // The next message from `source`: its header (and its payload when that travels inline).
+  // Checks the signature and takes the flags; throws Aborted on an abort notice or a mismatch.
+  struct Message {
+    Header h;
+    Bytes data;
+  };
+  Message Receive(int source);
+  // The payload of message `m` from `source`, into idx (pairs only; nullptr: dropped) and val
+  // (nullptr: dropped). Payloads of one source must be taken in the order of their headers.
+  void Payload(int source, const Message& m, int32_t* idx, float* val);
+  // Waits for a nonblocking MPI collective (or any requests).
+  void Await(MPI_Request* requests, int count);
+
+  // Every rank learns the flags and the counts of every rank: the agreement step of the calls
+  // that need it before a collective MPI call or a choice on the global count.
+  void Agree(int64_t nnz);
+  int64_t nnz_max() const { return nnz_max_; }
+  // Whether every rank already holds every rank's flags (an all-to-all or Agree happened).
+  bool agreed() const { return agreed_; }
+  void MarkAgreed() { agreed_ = true; }
+
+  // Joins the call's abort: tells every peer, then receives everything the peers sent in this
+  // call up to their own abort notice, so that no message of this call is left over.
+  void Abort();
+  bool aborted() const { return aborted_; }
+  // After an abort: every rank's signature, to name what the ranks disagree on.
+  std::string Diagnose();
+
+ private:
+  void Drain(int source);
+  Message ReceiveRaw(int source);
+
+  MPI_Comm comm_;
+  int tag_, rank_, nprocs_;
+  Signature signature_;
+  bool background_;
+  int32_t flags_ = 0, bad_rank_ = std::numeric_limits<int32_t>::max();
+  double sent_ = 0;
+  bool agreed_ = false, aborted_ = false;
+  int64_t nnz_max_ = 0;
+  std::vector<char> abort_seen_;
+  std::vector<MPI_Request> sends_;
+  std::vector<std::unique_ptr<Bytes>> send_buffers_;
 };
-Disagreement FirstDisagreement(const int64_t* all, int row, int fields, int parts,
-                               const std::vector<std::string>& names);
-
-// Receives one message of unknown size from `source` (MPI_PROC_NULL yields an empty segment).
-Bytes ReceiveAny(MPI_Comm comm, int source, int tag, int* actual_source);
-
-// Every rank's message, in rank order (mine moved in): posted to every peer at once and received
-// per source, so only the valid bytes travel and no size exchange is needed. On 4 ranks sharing
-// 2 cores this took a third of MPICH's MPI_Allgatherv (ring) for 1.3 MB messages, with a
-// fifth of its worst case; the bytes each rank sends are the same.
-std::vector<Bytes> AllgatherBytes(MPI_Comm comm, int tag, Bytes mine);
-
-// The split phase of SSAR/DSAR_Split_allgather: message r holds range r of the stream, re-based
-// to the range, as pairs or as a dense slice (SparCML's rule); it is sent to rank r.
-struct RangeMessages {
-  std::vector<Bytes> messages;       // messages[me] stays here: this rank's own range
-  std::vector<MPI_Request> requests;  // the posted sends
-  double sent = 0;                    // payload bytes sent (headers excluded)
-};
-RangeMessages PostRanges(MPI_Comm comm, int tag, const int32_t* idx, const float* val, int64_t count, int64_t n,
-                         int32_t status, double delta);
-
-// Every rank's message for this rank's range, in rank order (own one included); completes the sends.
-std::vector<Bytes> ReceiveRanges(MPI_Comm comm, int tag, RangeMessages* posted);
 
 }  // namespace sparcml

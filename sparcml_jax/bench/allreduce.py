@@ -7,8 +7,10 @@ allreduce measured in the same run. With ``--calls-per-sample R`` a sample is R 
 jitted program, divided by R: the cost of a collective inside a training step, without the
 dispatch of a jitted call per collective (0.2 ms per rank at P = 2, 0.55 ms at P = 4 here). Rows
 also record the CPU time the hypervisor took during their cell and the page faults per call of
-their slowest rank, the two usual suspects when a row runs slow. The model's prediction includes
-the pages XLA maps afresh on every call (``_fresh_pages``), at a cost per page measured in the run.
+their slowest rank, the two usual suspects when a row runs slow, and the cost model's prediction.
+``auto`` is judged by one number: its time over the best fixed algorithm's on its transport.
+
+With more ranks than cores, run the ranks under ``tools/short_slice.py`` (see there).
 """
 
 from __future__ import annotations
@@ -25,15 +27,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.bench._fresh_pages import fresh_pages, page_cost
-from sparcml_jax.bench._time_slice import current_time_slice_us
 from sparcml_jax.bench._timing import block, fmt_time, print_table, repeated_in_one_program
-from sparcml_jax.collectives import ALGORITHMS, dense_allreduce, sparse_allgather, sparse_allreduce
-from sparcml_jax.collectives._agree import cost_model_for
-from sparcml_jax.comm import get_transport, native, resolve_comm
+from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allgather, sparse_allreduce
+from sparcml_jax.collectives.auto import cost_model_for
+from sparcml_jax.comm import resolve_comm
 from sparcml_jax.kernels.partition import scatter_add
 from sparcml_jax.stream import SparseStream
 
@@ -58,15 +59,17 @@ def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: i
     return SparseStream(jnp.asarray(idx), jnp.asarray(values), jnp.int32(k), size)
 
 
-def allgather_then_densify(s: SparseStream, *, comm: MPI.Comm, transport: str) -> jax.Array:
-    """The sum as DGC and GRACE form it: every rank's stream gathered, each added into one dense
-    vector (GRACE decompresses every stream to its own dense tensor first; one accumulator is
-    kinder to it). ``naive allgather+sum`` is the sparse variant, merging the gathered streams."""
-    (idx, val, nnz), status, _ = get_transport(transport).gather_streams(s, status=jnp.int32(0), comm=comm)
+def allgather_then_densify(s: SparseStream, *, comm: MPI.Comm) -> jax.Array:
+    """The sum as DGC and GRACE form it: every rank's stream gathered by the framework's
+    allgather (whole static buffers), each added into one dense vector (GRACE decompresses every
+    stream to its own dense tensor first; one accumulator is kinder to it). ``naive
+    allgather+sum`` is the sparse variant, merging the gathered streams."""
+    idx = mpi4jax.allgather(s.indices, comm=comm)
+    val = mpi4jax.allgather(s.values, comm=comm)
+    nnz = mpi4jax.allgather(s.nnz[None], comm=comm)
     total = jnp.zeros((s.size,), jnp.float32)
     for r in range(comm.Get_size()):
-        total = scatter_add(SparseStream(idx[r], val[r], nnz[r], s.size), total)
-    native.check(status, comm=comm)
+        total = scatter_add(SparseStream(idx[r], val[r], nnz[r, 0], s.size), total)
     return total
 
 
@@ -109,12 +112,11 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
     raise ValueError(f"unknown sweep {kind!r}")
 
 
-def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress=None, calls_per_sample=1):
+def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress=None, calls_per_sample=1,
+        model=None):
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
-    model = cost_model_for(comm)
-    page_seconds = page_cost(comm)
-    time_slice_us = current_time_slice_us()
+    model = cost_model_for(comm, model)
     rows = []
     for cell_index, (size, density, support) in enumerate(cells):
         k = max(1, int(round(size * density)))
@@ -130,17 +132,15 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             for transport in transports:
                 cases[("naive allgather+sum", transport)] = (
                     lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t, return_stats=True), (s,))
-                cases[("allgather+dense sum (DGC)", transport)] = (
-                    lambda s, t=transport: allgather_then_densify(s, comm=comm, transport=t), (s,))
+            cases[("allgather+dense sum (DGC)", "mpi4jax")] = (lambda s: allgather_then_densify(s, comm=comm), (s,))
         for transport in transports:
             for algorithm in algorithms:
                 cases[(algorithm, transport)] = (lambda s, a=algorithm, t=transport: sparse_allreduce(
                     s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True), (s,))
-        stats, timed, pages = {}, {}, {}
+        stats, timed = {}, {}
         for name, (call, args) in cases.items():  # compile and warm up
             if call is None:  # outside JAX: `args` is the call itself
                 timed[name] = lambda run=args: [run() for _ in range(calls_per_sample)]
-                pages[name] = 0
                 continue
             single = jax.jit(call)
             first = block(single(*args))
@@ -148,7 +148,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 stats[name] = first[1]
             program = single if calls_per_sample == 1 else repeated_in_one_program(call, calls_per_sample)
             timed[name] = lambda program=program, args=args: program(*args)
-            pages[name] = fresh_pages(program.lower(*args).compile(), block(timed[name]()))
+            block(timed[name]())
         samples, faults = {name: [] for name in cases}, {name: 0 for name in cases}
         steal_before = _steal_seconds()
         for rep in range(reps):  # interleaved, so that noise hits every case alike
@@ -170,14 +170,10 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             if name[0] in ALGORITHMS or name[0] == "auto":
                 predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
                                                 transport=name[1], capacity=k))
-            elif name[0].startswith("dense"):
-                predicted = model.dense_baseline(size, nprocs)
-            elif name[0].startswith("mpi4py"):  # outside JAX
-                predicted = model.dense_baseline(size, nprocs) - model.call_overhead
+            elif name[0].startswith("dense") or name[0].startswith("mpi4py"):  # MPI_Allreduce of a dense vector
+                predicted = model.dense_alpha + 4.0 * size * model.dense_beta if nprocs > 1 else 0.0
             else:
                 predicted = None
-            if predicted is not None:
-                predicted += pages[name] * page_seconds / calls_per_sample
             rows.append(dict(
                 P=nprocs, N=size, density=density, support=support, algorithm=name[0], transport=name[1],
                 chosen=chosen, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
@@ -185,9 +181,12 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
                 result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
                 calls_per_sample=calls_per_sample, steal_seconds=steal,
                 page_faults=comm.allreduce(faults[name], op=MPI.MAX) / (reps * calls_per_sample),
-                fresh_pages=pages[name] / calls_per_sample, page_cost=page_seconds, time_slice_us=time_slice_us,
                 **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
             ))
+        for row in rows[-len(samples):]:  # auto against the best fixed algorithm on its transport
+            fixed = [r["median"] for r in rows[-len(samples):]
+                     if r["transport"] == row["transport"] and r["algorithm"] in ALGORITHMS]
+            row["auto_over_best_fixed"] = row["median"] / min(fixed) if row["algorithm"] == "auto" and fixed else None
     if progress:
         progress(len(cells), len(cells), "done")
     return rows, model
@@ -223,6 +222,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="run every program on the calling thread (jax_cpu_enable_async_dispatch=False): XLA "
                              "then takes temp blocks over 64 MB from the main heap instead of mapping them afresh "
                              "every call (see BENCHMARKS.md)")
+    parser.add_argument("--cost-model", metavar="FILE",
+                        help="the cost model for auto and the predictions (written by `bench calibrate`); "
+                             "default: SPARCML_JAX_COST_MODEL, else measured")
     args = parser.parse_args(argv)
     if args.inline_dispatch:  # before the first computation creates the CPU client
         jax.config.update("jax_cpu_enable_async_dispatch", False)
@@ -235,27 +237,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     comm = resolve_comm(None)
     if args.calls_per_sample < 1:
         parser.error(f"--calls-per-sample must be at least 1, got {args.calls_per_sample}")
+    model = CostModel.load(args.cost_model) if args.cost_model else None
     rows, model = run(cells, args.algorithms, args.transports, args.reps, comm, baselines=not args.no_baselines,
-                      calls_per_sample=args.calls_per_sample,
+                      calls_per_sample=args.calls_per_sample, model=model,
                       progress=_progress_bar if comm.Get_rank() == 0 else None)
     if comm.Get_rank() == 0:
-        print(f"P={comm.Get_size()}  calibrated alpha={model.alpha * 1e6:.1f} us  "
+        print(f"P={comm.Get_size()}  cost model: alpha={model.alpha * 1e6:.1f} us  "
               f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)  "
-              f"jitted call overhead={model.call_overhead * 1e6:.0f} us  "
-              f"agreement + check={model.fixed_cost * 1e6:.0f} us  "
               f"dense allreduce={model.dense_beta * 1e9:.3f} ns/B  merge={model.pair_cost * 1e9:.2f} ns/pair  "
-              f"pass={model.element_cost * 1e9:.3f} ns/element  fresh page={rows[0]['page_cost'] * 1e6:.1f} us  "
-              f"time slice={rows[0]['time_slice_us'] or 0:.0f} us")
+              f"pass={model.element_cost * 1e9:.3f} ns/element")
         print_table(
             ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
-             "MB sent/rank", "result density", "model"],
+             "auto/best", "MB sent/rank", "result density", "model"],
             [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.2%}", r["support"], r["algorithm"], r["transport"],
               r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
-              f"{r['ratio_to_dense']:.3f}", "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
+              f"{r['ratio_to_dense']:.3f}", "" if r["auto_over_best_fixed"] is None else f"{r['auto_over_best_fixed']:.2f}",
+              "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
               "" if r["result_density"] is None else f"{r['result_density']:.2%}",
               "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
         )
-        print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better)")
+        print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better); "
+              "auto/best = auto's median over the best fixed algorithm's on its transport")
         if args.calls_per_sample > 1:
             print(f"times are per call, {args.calls_per_sample} calls per jitted program (dispatched once, as in a "
                   "training step)")

@@ -3,37 +3,42 @@
 from __future__ import annotations
 
 import dataclasses
-from types import ModuleType
-from typing import NamedTuple
+import importlib
+from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from mpi4py import MPI
 
-ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+# Every algorithm is a module of this package named after it, holding its one definition under
+# that name; its index here is its code in AllreduceStats.algorithm.
+ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
 QUANTIZE_BITS = (2, 4, 8)
+QUANTIZE_SCALES = ("max", "l2")
 
 
-def check_quantize_options(algorithm: str, quantize_bits: int, key) -> None:
-    """QSGD applies to DSAR's dense phase and needs a key (raises ValueError naming the fix)."""
-    if quantize_bits not in QUANTIZE_BITS:
-        raise ValueError(f"quantize_bits must be one of {QUANTIZE_BITS} or None, got {quantize_bits!r}")
-    if algorithm not in ("auto", "dsar_split_allgather"):
-        raise ValueError(
-            f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), not {algorithm!r}")
-    if key is None:
-        raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
+def definition(name: str) -> Callable:
+    """The definition of algorithm ``name``: ``f(transport, stream, **options) -> stream``."""
+    return getattr(importlib.import_module(f"sparcml_jax.collectives.{name}"), name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """QSGD on the wire of a dense phase: ``bits`` per value, one ``scale`` per bucket of values."""
+
+    bits: int
+    bucket_size: int = 1024
+    scale: str = "max"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    # mpi4py communicators are unhashable: plans hash and compare by the communicator's handle.
+    """One call's static choices. mpi4py communicators are unhashable: plans hash and compare by
+    the communicator's handle."""
+
     comm: MPI.Comm = dataclasses.field(compare=False, hash=False)
-    transport: ModuleType
+    transport: str
     delta: float
-    quantize_bits: int | None = None
-    bucket_size: int = 1024
-    quantize_scale: str = "max"
+    quantize: Quantization | None = None
     comm_handle: int = -1
 
     def __post_init__(self):
@@ -47,12 +52,16 @@ class Plan:
     def nprocs(self) -> int:
         return self.comm.Get_size()
 
+    def options(self, algorithm: str) -> dict:
+        """Keyword arguments of the algorithm's definition (QSGD for DSAR's dense phase)."""
+        return {"quantize": self.quantize} if algorithm == "dsar_split_allgather" and self.quantize else {}
+
 
 class AllreduceStats(NamedTuple):
     """What one sparse allreduce did on this rank (a pytree of scalars, safe to return from jit).
 
     Attributes:
-      algorithm: int32 index into ``ALGORITHMS``.
+      algorithm: int32 index into ``ALGORITHMS`` (-1 for an allgather).
       bytes_sent: float32 bytes this rank sent: the native transport's payloads (headers
         excluded), the mpi4jax transport's whole static messages (their 8-byte headers included).
         For allgathers it is this rank's message times the P - 1 ranks that receive it, and for
@@ -65,19 +74,3 @@ class AllreduceStats(NamedTuple):
     bytes_sent: jax.Array
     result_nnz: jax.Array
     dense_round: jax.Array
-
-
-class Progress(NamedTuple):
-    """Carried through an algorithm's rounds: error status, bytes sent, first dense round."""
-
-    status: jax.Array
-    bytes_sent: jax.Array
-    dense_round: jax.Array
-
-    @classmethod
-    def start(cls) -> "Progress":
-        return cls(jnp.int32(0), jnp.float32(0), jnp.int32(-1))
-
-    def after(self, round_index: int, status: jax.Array, sent: jax.Array, is_dense: jax.Array) -> "Progress":
-        first_dense = jnp.where((self.dense_round < 0) & is_dense, jnp.int32(round_index), self.dense_round)
-        return Progress(status, self.bytes_sent + sent, first_dense)

@@ -1,64 +1,57 @@
 """The cost model behind ``algorithm="auto"`` (SparCML §5.3 and Appendix B).
 
-A message of ``b`` bytes costs ``alpha + b * beta``. Result density follows the uniform union
-bound: ``m`` streams of ``k`` random nonzeros out of ``N`` cover ``N (1 - (1 - k/N)^m)`` indices.
-Pairs cost 8 bytes and dense values 4, so every stream is priced at ``min(8 nnz, 4 N)``. On top
-of the paper's wire terms the model prices what dominates on a node: the dense allreduce as
-measured, merges per pair, and passes over length-N buffers, all measured at calibration.
+The model prices an algorithm by running its definition on :class:`Pricing`, a transport whose
+streams are estimates: every operation adds its predicted seconds, so the model prices exactly
+the messages and merges the algorithm makes. A message of ``b`` bytes costs ``alpha + b beta``.
+Result density follows the uniform union bound: ``m`` streams of ``k`` random nonzeros out of
+``N`` cover ``N (1 - (1 - k/N)^m)`` indices. On top of the paper's wire terms the model prices
+what dominates on a node: the dense allreduce as measured, merges per pair, and passes over
+length-N buffers.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import functools
+import json
 import math
-import time
+from typing import Sequence
 
-import numpy as np
 from mpi4py import MPI
 
-from sparcml_jax.comm.topology import (gathered_capacity, grown_capacity, largest_part_capacity, longest_part,
-                                       lower_power_of_two, segment_slot)
+from sparcml_jax.comm import Combine, Quantize
+from sparcml_jax.comm.topology import (exchange_capacity, gathered_capacity, grown_capacity, largest_part_capacity,
+                                       longest_part, part_capacity, peers_of, segment_capacities, segment_slot)
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Time of one allreduce, from quantities measured on the communicator.
+    """Time of one allreduce, from quantities measured on the communicator (see
+    :mod:`sparcml_jax.collectives.calibrate`), or given.
 
     Attributes:
       alpha: seconds per message (latency), from a ping-pong between ranks 0 and 1.
       beta: seconds per byte on the wire, from messages of 16 MB exchanged by all ranks in pairs
         at once, as in a round of recursive doubling (on a node the ranks' copies then share
-        cores and the memory bus; on a network every link is busy): the median of 15. (Five
-        exchanges of 4 MB, the earlier measure, gave 0.19-0.54 ns/B at P = 4 from one
-        calibration to the next; 15 of 16 MB gave 0.22-0.33 in eleven calibrations.)
+        cores and the memory bus; on a network every link is busy): the median of 15.
       dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
         seconds per byte of the vector from the median of 15 of 16 MB, past the caches): on a
         node it is bound by memory and by the ranks sharing cores, not by the wire, and the
-        SparCML algorithms must beat the real thing. (Five of 8 MB, the earlier measure, stayed
-        partly in cache: 0.24 ns/B at P = 2 where 16 MB costs 0.29-0.31, so the model priced
-        the dense baseline 1.4-1.55x below its time there; at P = 4 they gave 0.67-1.56 ns/B from
-        one calibration to the next, 16 MB gave 0.77-0.99 in eleven.)
+        SparCML algorithms must beat the real thing.
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
-        on streams of 4 MB (past the caches, like the messages that matter), two merges and a
-        merge of their results as a collective chains them, on every rank at once (so ranks that
-        share cores are measured sharing them and the memory bus): the slowest rank's median.
+        on streams of 4 MB, two merges and a merge of their results as a collective chains them.
       element_cost: seconds per float32 element read or written by a pass over a length-N
         vector (densify, padding, a result buffer): half a jitted ``x * 2`` over 16 MB into a
-        fresh buffer, measured the same way. (A write-only pass, ``iota``, took half as long.)
-      call_overhead: what calling a collective from JAX adds around its MPI calls: a jitted
-        mpi4jax allreduce of two floats minus the same MPI_Allreduce from mpi4py. It is mostly
-        Python: JAX dispatches a program with an ordered effect on its Python path, never the C++
-        fast path (170 us per call in one process here, 200 us per rank at P = 2, 550 at P = 4,
-        called back to back; 0.4 and 1.1-1.6 ms timed as below).
-      fixed_cost: what every sparse collective pays whatever it sends: a jitted program of just
-        its agreement step (a small allgather) and its status check (a small allreduce).
+        fresh buffer.
 
-    Both are timed as a collective is called in a training step: right after a computation that
-    streamed megabytes through the caches (the backward pass; in the benchmark, the previous
-    case). There the agreement program took 1.9-2.1 ms at P = 4, against 0.76 ms called back to
-    back, and the model priced one-call collectives at up to 2.5x below their times.
+    Example:
+      >>> from sparcml_jax import CostModel
+      >>> model = CostModel(alpha=2e-6, beta=1e-10, dense_alpha=5e-6, dense_beta=3e-10, pair_cost=1e-9,
+      ...                   element_cost=3e-10)
+      >>> top_k = dict(size=1 << 22, nnz=4096, capacity=4096, nprocs=8)  # 0.1 % of 4M values per rank
+      >>> sparse = model.predict("ssar_recursive_doubling", **top_k)
+      >>> dense = model.predict("dense", **top_k)
+      >>> bool(sparse < dense)
+      True
     """
 
     alpha: float
@@ -67,31 +60,30 @@ class CostModel:
     dense_beta: float = 0.0
     pair_cost: float = 0.0
     element_cost: float = 0.0
-    call_overhead: float = 0.0
-    fixed_cost: float = 0.0
 
     @classmethod
-    def calibrate(cls, comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 16 << 20, large_reps: int = 15,
-                  dense_bytes: int = 16 << 20) -> "CostModel":
-        """Measures the model on ``comm``; every rank gets rank 0's numbers (identical choices)."""
-        if comm.Get_size() < 2:
-            return cls(alpha=0.0, beta=0.0)
-        small = np.zeros(1, np.float64)
-        _pairwise_exchange(comm, large_bytes, 2)  # MPICH sets up its large-message path on first use
-        t_large = _pairwise_exchange(comm, large_bytes, large_reps)
-        d_large = _allreduce_seconds(comm, dense_bytes // 4, large_reps)
-        # Small operations on ranks that share cores run in phases: in a fresh process a whole
-        # block of 50 small allreduces or ping-pongs took 1.3-1.4 ms each instead of 30 us. The
-        # fastest of three blocks is the steady state.
-        alpha = max(_steadiest(lambda: _ping_pong(comm, small, small_reps)), 1e-7)
-        beta = max((t_large - alpha) / large_bytes, 1e-12)
-        d_small = _steadiest(lambda: _allreduce_seconds(comm, 2, small_reps))
-        dense_beta = max((d_large - d_small) / dense_bytes, 1e-12)
-        pair_cost, element_cost = _compute_costs(comm)
-        overhead = max(_jitted_seconds(comm, "allreduce") - d_small, 0.0)
-        fixed = _jitted_seconds(comm, "agreement")
-        numbers = (alpha, beta, d_small, dense_beta, pair_cost, element_cost, overhead, fixed)
-        return cls(*comm.bcast(numbers, root=0))
+    def calibrate(cls, comm: MPI.Comm) -> "CostModel":
+        """Measures the model on ``comm``: a collective call (see :func:`calibrate.measure`)."""
+        from sparcml_jax.collectives.calibrate import measure
+
+        return cls(*measure(comm))
+
+    def save(self, path: str) -> None:
+        """Writes the model as JSON (``SPARCML_JAX_COST_MODEL`` names such a file)."""
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        """The model saved in ``path`` by :meth:`save`."""
+        try:
+            with open(path) as f:
+                fields = json.load(f)
+            return cls(**fields)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"cannot read a cost model from {path!r} ({e}); write one with "
+                             "`python -m sparcml_jax.bench calibrate --out FILE`") from e
 
     def latency(self, nprocs: int) -> float:
         """Seconds per round in which every rank communicates at once.
@@ -102,295 +94,234 @@ class CostModel:
         """
         return max(self.alpha, self.dense_alpha / max(1.0, math.log2(nprocs)))
 
-    def message(self, nbytes, nprocs: int = 2):
+    def message(self, nbytes: float, nprocs: int) -> float:
         return self.latency(nprocs) + nbytes * self.beta
 
-    def predict(self, algorithm: str, *, size: int, nnz, nprocs: int, transport: str = "native",
-                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0, xp=np):
-        """Predicted seconds of one allreduce; ``nnz`` is the largest per-rank count (scalar or traced)."""
-        if nprocs == 1:
-            return xp.asarray(0.0)
-        return self.fixed_cost + self._communication(
-            algorithm, size=size, nnz=nnz, nprocs=nprocs, transport=transport, capacity=capacity,
-            quantize_bits=quantize_bits, delta=delta, xp=xp)
+    def predict(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
+                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> float:
+        """Predicted seconds of one allreduce of streams of ``nnz`` nonzeros (the largest over
+        ranks) and static ``capacity`` (default: ``size``)."""
+        return self.pricing(algorithm, size=size, nnz=nnz, nprocs=nprocs, transport=transport, capacity=capacity,
+                            quantize_bits=quantize_bits, delta=delta).seconds
 
-    def dense_baseline(self, size: int, nprocs: int) -> float:
-        """Predicted seconds of :func:`sparcml_jax.dense_allreduce` of ``size`` float32, jitted."""
-        if nprocs == 1:
-            return 0.0
-        return self.call_overhead + self.dense_alpha + 4.0 * size * self.dense_beta
+    def pricing(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
+                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> "Pricing":
+        """The algorithm's definition run on :class:`Pricing`: its seconds and staged elements."""
+        from sparcml_jax.collectives._plan import Quantization, definition
 
-    def _communication(self, algorithm: str, *, size: int, nnz, nprocs: int, transport: str,
-                       capacity: int | None, quantize_bits: int | None, delta: float, xp):
-        n, p = float(size), nprocs
-        static = transport == "mpi4jax"
-        k = xp.asarray(float(capacity) if static and capacity is not None else nnz, dtype=xp.float32)
-        dense_bytes = 4.0 * n
-
-        def union(m):
-            return n * (1.0 - (1.0 - xp.minimum(k, n) / max(n, 1.0)) ** m)
-
-        def count(m):
-            return xp.minimum(k * m, n) if static else union(m)
-
-        def stream_bytes(m):
-            return xp.minimum(8.0 * count(m), dense_bytes)
-
-        def merge(m, inputs_capacity, out_capacity):
-            """Merging two streams of m-fold unions. Streams held in fewer than N slots are pairs
-            however full (the kernel visits the valid ones; a result that turns dense is then
-            densified in place); only streams of N slots can be dense vectors, added in one pass.
-            (Pricing every stream past the threshold as dense put SSAR at 50 % at 2.0-2.8x below
-            its time: there the first merge is of two streams of N / 2 pairs.)"""
-            if inputs_capacity >= n:
-                dense_inputs = 8.0 * union(m) >= dense_bytes
-                return xp.where(dense_inputs, 3 * n * self.element_cost, 2 * union(m) * self.pair_cost)
-            densify = xp.where(8.0 * union(2 * m) >= dense_bytes, 2 * n * self.element_cost, 0.0)
-            return 2 * union(m) * self.pair_cost + (densify if out_capacity >= n else 0.0)
-
-        def result_buffers(cap):  # a result of capacity N: fresh length-N index and value buffers
-            return 2 * n * self.element_cost if cap >= n else 0.0
-
-        cap = size if capacity is None else capacity
-        log_p = math.log2(p)
-        staged = 0.0
-        if static and algorithm != "dense":
-            staged = staged_elements(algorithm, size=size, nprocs=p, capacity=cap, delta=delta) * self.element_cost
-        if algorithm == "dense":  # densify into the result, MPI_Allreduce in place, indices 0..N-1
-            # mpi4jax densifies into a zero-filled XLA buffer first (measured at P = 4, N = 2^22,
-            # 10 %: 24.3 ms against 17.4 ms for the allreduce of a ready dense vector).
-            densify = 2 * n * self.element_cost if static else 0.0
-            return self.dense_alpha + dense_bytes * self.dense_beta + result_buffers(size) + densify
-        if algorithm == "ssar_recursive_doubling":
-            lower = lower_power_of_two(p)
-            folded = 2 if lower < p else 1
-            cost = 0.0
-            if lower < p:
-                grown = grown_capacity(cap, size, 2, delta)
-                cost = cost + self.message(stream_bytes(1), p) + self.message(stream_bytes(p), p) + merge(1, cap, grown)
-                cap = grown
-            m = folded
-            while m < folded * lower:
-                grown = grown_capacity(cap, size, 2, delta)
-                cost = cost + self.message(stream_bytes(m), p) + merge(m, cap, grown) + result_buffers(grown)
-                cap, m = grown, m * 2
-            return cost + staged
-        sends = (p - 1) * self.message(stream_bytes(1) / p, p)  # range r of every stream to rank r
-        if static:  # every segment and part travels at its whole capacity
-            slot = segment_slot(cap, size, p)
-            part = largest_part_capacity(cap, size, p, delta)
-            sends = (p - 1) * self.message(8.0 * slot, p)
-        # What arrives is merged segment after segment into the growing part: the part's pairs
-        # are visited (P + 1) / 2 times on average.
-        split_phase = sends + (p + 1) / 2 * union(1) * self.pair_cost
-        if algorithm == "ssar_split_allgather":
-            gather = log_p * self.latency(p) + (p - 1) * (8.0 * part if static else stream_bytes(p) / p) * self.beta
-            return (split_phase + gather + union(p) * self.pair_cost + staged
-                    + result_buffers(gathered_capacity(cap, size, p, delta)))
-        if algorithm == "dsar_split_allgather":
-            # The dense allgather moves half the bytes of a dense allreduce. (Measured on shared
-            # memory it cost as much as the whole allreduce while XLA's fresh result buffers
-            # page-faulted; with freed memory kept in the heap, see the Makefile, it costs half.)
-            value_bytes = 4.0 if quantize_bits is None else quantize_bits / 8.0
-            gather = log_p * self.latency(p) + n * value_bytes * self.dense_beta / 2
-            if quantize_bits is None and not static:
-                # The segments are added into a zero-filled slice of N / P values; the gather
-                # writes the result's values itself, and only its indices 0..N-1 are written after.
-                # (Pricing two whole passes and both result buffers here predicted 16-25 ms where
-                # it measured 12-15 ms at N = 2^22, 10 %, P = 4.) Every pair of the stream is
-                # packed into its range's message and added into its owner's slice: about a merge's
-                # work per pair (without it DSAR at 50 % was priced at a third of its time).
-                return sends + gather + (1 / p + 1) * n * self.element_cost + union(1) * self.pair_cost
-            if static:  # the segments are merged as pairs, then densified, padded and concatenated
-                qsgd = 0.0 if quantize_bits is None else 4 * n * self.element_cost
-                return split_phase + gather + staged + qsgd + result_buffers(size)
-            return sends + gather + 4 * n * self.element_cost + result_buffers(size)  # QSGD: code, decode
-        raise ValueError(f"unknown algorithm {algorithm!r}")
+        capacity = size if capacity is None else capacity
+        # Whole static buffers: the mpi4jax transport is priced as full as its capacities allow.
+        per_rank = capacity if transport == "mpi4jax" else nnz
+        t = Pricing(self, size=size, nnz=per_rank, nprocs=nprocs, transport=transport, delta=delta)
+        if nprocs > 1:
+            options = {"quantize": Quantization(quantize_bits)} if quantize_bits else {}
+            definition(algorithm)(t, Estimate(size, capacity, 1), **options)
+        return t
 
 
-def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int, delta: float = 1.0) -> int:
-    """Elements that XLA reads and writes around the mpi4jax transport's MPI calls in one of the
-    SparCML algorithms, for the slowest rank: padding, packing and slicing whole static buffers,
-    re-basing indices. The native transport stages nothing (its FFI ops read and write XLA's
-    buffers in place); the dense algorithm's densify pass is priced with the algorithm.
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A stream as the model sees it: over ``size`` entries, in ``capacity`` static slots, the
+    sum of ``fan_in`` ranks' streams (each of the per-rank count, uniform over the vector).
+    ``dense_values`` marks a reduce-scatter's dense slice; a part keeps ``source_capacity``."""
 
-    The coefficients are XLA's own count, ``compiled.cost_analysis()["bytes accessed"] / 4`` of
-    the transport's ops (tests/mpi/test_cost_model.py checks them against it at P = 2..8).
-    Without them the model priced split-allgather on this transport at 2.5-8x below its time.
+    size: int
+    capacity: int
+    fan_in: int
+    dense_values: bool = False
+    source_capacity: int = -1
+
+
+class Pricing:
+    """The cost model's :class:`~sparcml_jax.comm.Transport`: adds up the predicted seconds of
+    rank 0, which takes part in every round of every schedule here, with ranges priced at the
+    longest. By the symmetry of the schedules, what a rank receives is priced like what it sends.
+
+    ``staged`` counts the elements XLA reads and writes around the mpi4jax transport's MPI calls
+    on its busiest rank (packing, padding and slicing whole static buffers; XLA's own ``bytes
+    accessed / 4``, which tests/mpi/test_cost_model.py checks); the native transport stages nothing.
     """
-    n, p, c = size, nprocs, capacity
-    if algorithm == "ssar_recursive_doubling":
-        def exchange(cap, send=True, receive=True):
-            if cap >= n:  # the compact message of n slots: pairs or dense values, chosen at run time
-                return 9 * n * send + 4 * n * receive
-            return 0  # header, indices and values travel straight from and into XLA's buffers
 
-        lower = lower_power_of_two(p)
-        folded = grown_capacity(c, n, 2, delta) if lower < p else c
-        rounds, cap = 0, folded
-        for _ in range(lower.bit_length() - 1):
-            rounds += exchange(cap)
-            cap = grown_capacity(cap, n, 2, delta)
-        if lower == p:
-            return rounds
-        receiver = exchange(c, send=False) + rounds + exchange(cap, receive=False)
-        padded = (2 * folded + 2 * c if folded > c else 0) + rounds  # pads its own stream instead
-        extra = exchange(c, receive=False) + exchange(cap, send=False)
-        return max(receiver, padded, extra)
-    longest = longest_part(n, p)
-    slot = segment_slot(c, n, p)
-    scatter = 5 * c + 2 * slot + 12 * p * slot  # P segments cut, packed, sent and unpacked
-    if algorithm == "ssar_split_allgather":
-        part = largest_part_capacity(c, n, p, delta)
-        return scatter + 4 * part + 6 * p * part  # P parts packed, gathered, re-based
-    if algorithm == "dsar_split_allgather":
-        # The part densified, the gathered slices concatenated; unequal parts are padded to the
-        # longest for the allgather and cut back after.
-        unequal = n % p != 0  # the last range takes the remainder
-        return scatter + 2 * n + longest * (1 + 2 * unequal)
-    raise ValueError(f"unknown algorithm {algorithm!r}")
+    def __init__(self, model: CostModel, *, size: int, nnz: float, nprocs: int, transport: str, delta: float):
+        self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
+        self.static = transport == "mpi4jax"
+        self.k = float(nnz)
+        self.seconds = 0.0
+        self._staged = [0.0] * nprocs
+        # A rank that takes no part in an exchange pads its stream to the new capacity; XLA drops
+        # the padding if the stream is replaced before it is used.
+        self._padding = [0.0] * nprocs
 
+    @property
+    def staged(self) -> float:
+        return max(s + pad for s, pad in zip(self._staged, self._padding)) if self.static else 0.0
 
-def _steadiest(measure, tries: int = 3) -> float:
-    return min(measure() for _ in range(tries))
+    def _stage_everywhere(self, elements: float) -> None:
+        self._staged = [s + elements for s in self._staged]
 
+    # --------------------------------------------------------------------------- estimates
 
-def _on_fresh_thread(measure):
-    """Runs ``measure()`` on a fresh thread. The first collective on a communicator usually runs
-    while the user's train step is being traced, and JAX's trace state is per thread: on a fresh
-    thread the kernels run as they would in a step, where inside the trace (even under
-    ensure_compile_time_eval) every call took 10x as long."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(measure).result()
+    def count(self, e: Estimate) -> float:
+        """Expected entries of ``e``: the union bound, or for static buffers the sum of capacities."""
+        n = max(self.n, 1)
+        if self.static:
+            return min(self.k * e.fan_in * e.size / n, e.size)
+        return e.size * (1.0 - (1.0 - min(self.k, n) / n) ** e.fan_in)
 
+    def is_dense(self, e: Estimate) -> bool:
+        return e.dense_values or (e.capacity >= e.size and 8.0 * self.count(e) >= 4.0 * e.size)
 
-def _slowest_rank_median(comm: MPI.Comm, run, reps: int, before=None) -> float:
-    """Median over ``reps`` calls of ``run()`` (after one warm-up) of the slowest rank's time,
-    every call started by all ranks together after a barrier (and after ``before()``, untimed)."""
-    times = []
-    for _ in range(reps + 1):
-        if before is not None:
-            before()
-        comm.Barrier()
-        start = time.perf_counter()
-        run()
-        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return float(np.median(times[1:]))
+    def wire(self, e: Estimate) -> float:
+        """Bytes of a message carrying ``e``: the valid pairs or the dense values (native), or
+        the whole static buffer (mpi4jax: an 8-byte header and 8 bytes per slot, 4 per entry
+        once the capacity holds the dense vector)."""
+        if self.static:
+            return 8.0 + (4.0 * e.size if e.capacity >= e.size else 8.0 * e.capacity)
+        return 4.0 * e.size if e.dense_values else min(8.0 * self.count(e), 4.0 * e.size)
 
+    def _result_buffers(self, e: Estimate) -> float:
+        """A result of capacity N: fresh length-N index and value buffers."""
+        return 2 * e.size * self.model.element_cost if e.capacity >= e.size else 0.0
 
-def _allreduce_seconds(comm: MPI.Comm, count: int, reps: int = 5) -> float:
-    """Median time of an MPI_Allreduce of ``count`` float32 (max over ranks)."""
-    buf, out = np.ones(count, np.float32), np.empty(count, np.float32)
-    return _slowest_rank_median(comm, lambda: comm.Allreduce(buf, out, op=MPI.SUM), reps)
+    def _merge(self, a: Estimate, b: Estimate, out: Estimate) -> float:
+        """Merging two streams. Streams held in fewer slots than their size are pairs however full
+        (the kernel visits the valid ones; a result that turns dense is then densified); only
+        streams of full capacity can be dense vectors, added in one pass."""
+        m = self.model
+        if self.is_dense(a) or self.is_dense(b):
+            return 3 * out.size * m.element_cost + self._result_buffers(out)
+        cost = (self.count(a) + self.count(b)) * m.pair_cost
+        if self.is_dense(out):
+            cost += 2 * out.size * m.element_cost
+        return cost + self._result_buffers(out)
 
+    @staticmethod
+    def _exchange_staging(e: Estimate, send: bool, receive: bool) -> float:
+        """The compact message of n slots (pairs or dense values, chosen at run time); smaller
+        streams travel straight from and into XLA's buffers."""
+        return (9 * e.size * send + 4 * e.size * receive) if e.capacity >= e.size else 0.0
 
-def _jitted_seconds(comm: MPI.Comm, program: str, reps: int = 15) -> float:
-    """Slowest rank's median time of a small jitted program, each call right after a jitted pass
-    over 16 MB (see :class:`CostModel`), the steadiest of three blocks: ``"allreduce"``, an
-    mpi4jax allreduce of two floats, or ``"agreement"``, the agreement step and status check of a
-    sparse collective on an empty stream."""
-    import jax
-    import jax.numpy as jnp
-    import mpi4jax
+    def _scatter_staging(self, e: Estimate) -> float:
+        """P segments cut, packed, sent and unpacked (whole static rows)."""
+        slot = segment_slot(e.capacity, e.size, self.nprocs)
+        return 5 * e.capacity + 2 * slot + 10 * self.nprocs * slot
 
-    from sparcml_jax.collectives._agree import signature
-    from sparcml_jax.comm import native
-    from sparcml_jax.stream import SparseStream
+    # --------------------------------------------------------------------------- operations
 
-    def agreement(s: SparseStream):
-        summary = native.summary(s, comm=comm, signature=signature("allreduce", size=s.size))
-        native.check(summary[0] * 0, comm=comm)
-        return summary
+    def exchange(self, s: Estimate, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Estimate:
+        out = Estimate(s.size, exchange_capacity(s.capacity, s.size, combine, self.delta), s.fan_in)
+        for r in range(self.nprocs):
+            to, frm = peers_of(pairs, r)
+            if to >= 0 or (frm >= 0 and combine == "add"):  # the stream is used: its padding stays
+                self._staged[r] += self._padding[r]
+                self._padding[r] = 0.0
+            elif frm >= 0:
+                self._padding[r] = 0.0
+            self._staged[r] += self._exchange_staging(s, to >= 0, frm >= 0)
+            if frm < 0 and out.capacity > s.capacity:
+                self._padding[r] += 2 * s.capacity + 2 * out.capacity
+        dest, source = peers_of(pairs, 0)
+        if dest < 0 and source < 0:
+            return out
+        self.seconds += self.model.message(self.wire(s), self.nprocs)
+        if source >= 0 and combine == "add":
+            out = dataclasses.replace(out, fan_in=min(2 * s.fan_in, self.nprocs))
+            self.seconds += self._merge(s, s, out)
+        return out
 
-    def measure() -> float:  # everything on the fresh thread: here jnp.ones would be a tracer
-        if program == "allreduce":
-            call, arg = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)), jnp.ones(2, jnp.float32)
+    def ring_pass(self, segments: list[Estimate], *, send: int, into: int, combine: Combine) -> list[Estimate]:
+        p = self.nprocs
+        sent, target = segments[send % p], segments[into % p]
+        self.seconds += self.model.message(self.wire(sent), p)
+        self._stage_everywhere(self._exchange_staging(sent, True, True))
+        if combine == "add":
+            out = dataclasses.replace(target, fan_in=min(target.fan_in + sent.fan_in, p))
+            self.seconds += self._merge(target, dataclasses.replace(sent, capacity=target.capacity), out)
         else:
-            call, arg = jax.jit(agreement), SparseStream.empty(1, 1)
-        evict, vector = _pass_program(), jnp.ones(1 << 22, jnp.float32)
-        return _steadiest(lambda: _slowest_rank_median(comm, lambda: jax.block_until_ready(call(arg)), reps,
-                                                       before=lambda: jax.block_until_ready(evict(vector))))
+            out = dataclasses.replace(target, fan_in=sent.fan_in)
+        return [out if j == into % p else seg for j, seg in enumerate(segments)]
 
-    return _on_fresh_thread(measure)
+    def reduce_scatter(self, s: Estimate, *, dense: bool = False) -> Estimate:
+        m, p, n = self.model, self.nprocs, s.size
+        length = longest_part(n, p)
+        if self.static:  # every segment travels at its whole slot
+            sends = (p - 1) * m.message(8.0 + 8.0 * segment_slot(s.capacity, n, p), p)
+        else:  # range r of the stream to rank r
+            sends = (p - 1) * m.message(self.wire(s) / p, p)
+        self._stage_everywhere(self._scatter_staging(s))
+        if dense and not self.static:
+            # The segments are added into a zero-filled slice; every pair of the stream is packed
+            # into its range's message and added into its owner's slice: about a merge's work.
+            self.seconds += sends + (1 / p + 1) * n * m.element_cost + self.count(s) * m.pair_cost
+        else:
+            # What arrives is merged segment after segment into the growing part: the part's
+            # pairs are visited (P + 1) / 2 times on average.
+            self.seconds += sends + (p + 1) / 2 * self.count(s) * m.pair_cost
+        capacity = length if dense else max(part_capacity(s.capacity, n, p, r, self.delta) for r in range(p))
+        return Estimate(length, capacity, p, dense_values=dense, source_capacity=s.capacity)
+
+    def allgather(self, part: Estimate, *, dense: bool = False, quantize: Quantize | None = None) -> Estimate:
+        m, p, n = self.model, self.nprocs, self.n
+        rounds = math.log2(p) * m.latency(p)
+        if dense or quantize is not None:
+            # The dense allgather moves half the bytes of a dense allreduce.
+            value_bytes = 4.0 if quantize is None else quantize.bits / 8.0
+            out = Estimate(n, n, p, dense_values=True)
+            self.seconds += rounds + n * value_bytes * m.dense_beta / 2
+            if quantize is not None:  # QSGD codes and decodes every element
+                self.seconds += 4 * n * m.element_cost + self._result_buffers(out)
+            if self.static:  # the part densified, the gathered slices padded, concatenated and cut back
+                self._stage_everywhere(2 * n + longest_part(n, p) * (1 + 2 * (n % p != 0)))
+                self.seconds += 0.0 if quantize is not None else self._result_buffers(out)
+            return out
+        whole = Estimate(n, gathered_capacity(part.source_capacity, n, p, self.delta), p,
+                         source_capacity=part.source_capacity)
+        if self.static:  # every part at the largest part's slot; P parts packed, gathered, re-based
+            slot = largest_part_capacity(part.source_capacity, n, p, self.delta)
+            self.seconds += rounds + (p - 1) * 8.0 * slot * m.beta
+            self._stage_everywhere(4 * slot + 6 * p * slot)
+        else:
+            self.seconds += rounds + (p - 1) * self.wire(whole) / p * m.beta
+        self.seconds += self.count(whole) * m.pair_cost + self._result_buffers(whole)
+        return whole
+
+    def allreduce(self, s: Estimate) -> Estimate:
+        m = self.model
+        out = Estimate(s.size, s.size, self.nprocs, dense_values=True)
+        # Densified into the result, MPI_Allreduce in place. mpi4jax densifies into a zero-filled
+        # XLA buffer first (measured at P = 4, N = 2^22, 10 %: 24.3 ms against 17.4 ms for the
+        # allreduce of a ready dense vector).
+        self.seconds += m.dense_alpha + 4.0 * s.size * m.dense_beta + self._result_buffers(out)
+        if self.static:
+            self.seconds += 2 * s.size * m.element_cost
+        return out
+
+    def gather(self, s: Estimate) -> Estimate:
+        m, p = self.model, self.nprocs
+        out = Estimate(s.size, grown_capacity(s.capacity, s.size, p, self.delta), p)
+        self.seconds += math.log2(p) * m.latency(p) + (p - 1) * self.wire(s) * m.beta
+        self.seconds += p * self.count(s) * m.pair_cost + self._result_buffers(out)
+        return out
+
+    def split(self, s: Estimate, *, fan_in: int = 1) -> list[Estimate]:
+        p = self.nprocs
+        length = longest_part(s.size, p)
+        self._stage_everywhere(self._scatter_staging(s))
+        self.seconds += self.count(s) * self.model.element_cost  # the indices re-based
+        capacities = segment_capacities(s.capacity, s.size, p, fan_in, self.delta)
+        return [Estimate(length, max(capacities), s.fan_in) for _ in range(p)]
+
+    def concat(self, segments: list[Estimate]) -> Estimate:
+        n = self.n
+        out = Estimate(n, grown_capacity(sum(seg.capacity for seg in segments), n, 1, self.delta),
+                       max(seg.fan_in for seg in segments))
+        self.seconds += sum(self.count(seg) for seg in segments) * self.model.pair_cost + self._result_buffers(out)
+        return out
 
 
-@functools.cache
-def _pass_program():
-    """A pass as the collectives make them: XLA reads a vector into a fresh buffer. It prices a
-    pass per element and evicts the caches before the small programs are timed (one program,
-    compiled once for both)."""
-    import jax
-
-    return jax.jit(lambda v: v * 2.0)
-
-
-def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
-    """Per-pair merge cost and per-element pass cost, each the slowest rank's median with every
-    rank running at once, so that ranks sharing a core or the memory bus are measured sharing
-    them. Both work on megabytes, past the caches, as the collectives that matter do."""
-    import jax
-    import jax.numpy as jnp
-
-    from sparcml_jax.kernels.merge import merge
-    from sparcml_jax.stream import SparseStream
-
-    n, k = 1 << 23, 1 << 19
-    rng = np.random.default_rng(0)
-
-    def stream():  # one random index per stride: sorted and distinct, at density 1/16
-        stride = n // k
-        idx = (np.arange(k) * stride + rng.integers(0, stride, k)).astype(np.int32)
-        return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
-
-    # Merges as a collective chains them: two merges, then a merge of their fresh results. (One
-    # merge alone came out at 1.9-3.9 ns per pair at P = 4 from one calibration to the next,
-    # the chain at 3.0-3.9, like recursive doubling's merges inside the collective.)
-    merged = jax.jit(lambda a, b, c, d: merge(merge(a, b), merge(c, d)).values)
-    # A pass over 16 MB. (An in-place numpy pass on 4 MB, the earlier measure, stayed in cache:
-    # 0.05-0.09 ns per element where this pass takes 0.55 ns per element at P = 2 and 1.05 ns at
-    # P = 4, so auto priced densify and padding passes 5x too low and chose mpi4jax's dense path
-    # at 10 %.)
-    doubled = _pass_program()
-
-    def time_both():
-        inputs, vector = [stream() for _ in range(4)], jnp.ones(1 << 22, jnp.float32)
-        for _ in range(8):  # the heaps grow on the first calls (page faults, 3-4x slower)
-            jax.block_until_ready((merged(*inputs), doubled(vector)))
-        # Every sample starts on all ranks at once. (Timed rank by rank after one warm-up call,
-        # the cost came out 1.9 or 5.5 ns per pair at P = 4 from one calibration to the next.)
-        chain_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(merged(*inputs)), 11)
-        pass_seconds = _slowest_rank_median(comm, lambda: jax.block_until_ready(doubled(vector)), 11)
-        # The chain reads 2k + 2k + 4k pairs; a pass reads and writes each element.
-        return chain_seconds / (8 * k), pass_seconds / (2 * vector.size)
-
-    return _on_fresh_thread(time_both)
-
-
-def _pairwise_exchange(comm: MPI.Comm, nbytes: int, reps: int) -> float:
-    """Median time (max over ranks) of every rank exchanging ``nbytes`` with rank ^ 1 at once."""
-    partner = comm.Get_rank() ^ 1
-    send, recv = np.ones(nbytes // 8, np.float64), np.empty(nbytes // 8, np.float64)
-
-    def exchange():
-        if partner < comm.Get_size():
-            comm.Sendrecv(send, dest=partner, sendtag=78, recvbuf=recv, source=partner, recvtag=78)
-
-    return _slowest_rank_median(comm, exchange, reps)
-
-
-def _ping_pong(comm: MPI.Comm, buf: np.ndarray, reps: int) -> float:
-    """Median one-way time of ``buf`` between ranks 0 and 1 (other ranks wait at the barrier)."""
-    rank = comm.Get_rank()
-    times = []
-    comm.Barrier()
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        if rank == 0:
-            comm.Send(buf, dest=1, tag=77)
-            comm.Recv(buf, source=1, tag=77)
-        elif rank == 1:
-            comm.Recv(buf, source=0, tag=77)
-            comm.Send(buf, dest=0, tag=77)
-        times.append((time.perf_counter() - start) / 2)
-    comm.Barrier()
-    return float(np.median(times[1:]))
+def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int, delta: float = 1.0) -> float:
+    """Elements that XLA reads and writes around the mpi4jax transport's MPI calls in one call of
+    ``algorithm`` (see :class:`Pricing`)."""
+    model = CostModel(alpha=0.0, beta=0.0)
+    return model.pricing(algorithm, size=size, nnz=capacity, nprocs=nprocs, transport="mpi4jax", capacity=capacity,
+                         delta=delta).staged

@@ -1,16 +1,13 @@
-"""The dense baseline: MPI_Allreduce (mpi4jax, or the native transport's own call, which densifies the
-stream straight into the result buffer)."""
+"""The dense baseline: MPI_Allreduce (mpi4jax's, or the native transport's own call, which
+densifies the stream straight into the result buffer)."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import mpi4jax
 from mpi4py import MPI
 
-from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.comm import resolve_comm
-from sparcml_jax.stream import VALUE_BYTES, SparseStream
+from sparcml_jax.comm import S, Transport, resolve_comm
 
 
 def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None) -> jax.Array:
@@ -27,9 +24,5 @@ def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None) -> jax.Array:
     return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 
 
-def dense_as_stream(s: SparseStream, plan: Plan) -> tuple[SparseStream, Progress]:
-    result = plan.transport.allreduce_dense(s, comm=plan.comm)
-    p = plan.nprocs
-    # Volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.
-    sent = jnp.float32(2 * (p - 1) / p * VALUE_BYTES * s.size)
-    return result, Progress.start().after(0, jnp.int32(0), sent, jnp.bool_(True))
+def dense(t: Transport[S], s: S) -> S:
+    return t.allreduce(s)

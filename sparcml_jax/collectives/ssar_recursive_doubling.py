@@ -7,57 +7,19 @@ supports) and ``k (P - 1)`` pairs (disjoint supports). A non-power of two P firs
 
 from __future__ import annotations
 
-from sparcml_jax.collectives._plan import Plan, Progress
-from sparcml_jax.comm.topology import grown_capacity, lower_power_of_two
-from sparcml_jax.kernels.merge import merge
-from sparcml_jax.stream import SparseStream, resize
+from sparcml_jax.comm import S, Transport
+from sparcml_jax.comm.topology import lower_power_of_two
 
 
-def ssar_recursive_doubling(s: SparseStream, plan: Plan) -> tuple[SparseStream, Progress]:
-    t, comm, r, nprocs = plan.transport, plan.comm, plan.rank, plan.nprocs
-    lower = lower_power_of_two(nprocs)
-    extra = nprocs - lower
-    progress = Progress.start()
-    capacity = s.capacity
-    round_index = 0
-
-    def grow(stream, received, capacity):
-        return merge(stream, received, delta=plan.delta, capacity=grown_capacity(capacity, s.size, 2, plan.delta))
-
-    if extra:  # fold
-        if r >= lower:
-            _, status, sent = t.exchange(s, dest=r - lower, source=None, recv_capacity=capacity,
-                                         status=progress.status, comm=comm, round=round_index, delta=plan.delta)
-        elif r < extra:
-            got, status, sent = t.exchange(s, dest=None, source=r + lower, recv_capacity=capacity,
-                                           status=progress.status, comm=comm, round=round_index, delta=plan.delta)
-            s = grow(s, got, capacity)
-        else:
-            status, sent = progress.status, 0.0
-        capacity = grown_capacity(capacity, s.size, 2, plan.delta)
-        s = resize(s, capacity)
-        progress = progress.after(round_index, status, sent, s.is_dense)
-        round_index += 1
-
+def ssar_recursive_doubling(t: Transport[S], s: S) -> S:
+    lower = lower_power_of_two(t.nprocs)
+    extra = t.nprocs - lower
+    if extra:  # fold: rank P' + i adds its stream into rank i's
+        s = t.exchange(s, [(lower + i, i) for i in range(extra)], combine="add")
     distance = 1
-    while distance < lower:
-        if r < lower:
-            partner = r ^ distance
-            got, status, sent = t.exchange(s, dest=partner, source=partner, recv_capacity=capacity,
-                                           status=progress.status, comm=comm, round=round_index, delta=plan.delta)
-            s = grow(s, got, capacity)
-            progress = progress.after(round_index, status, sent, s.is_dense)
-        capacity = grown_capacity(capacity, s.size, 2, plan.delta)
+    while distance < lower:  # partners at distance 1, 2, 4, ... swap their sums and add them
+        s = t.exchange(s, [(r, r ^ distance) for r in range(lower)], combine="add")
         distance *= 2
-        round_index += 1
-
-    if extra:  # unfold
-        if r < extra:
-            _, status, sent = t.exchange(s, dest=r + lower, source=None, recv_capacity=capacity,
-                                         status=progress.status, comm=comm, round=round_index, delta=plan.delta)
-            progress = progress.after(round_index, status, sent, s.is_dense)
-        elif r >= lower:
-            s, status, sent = t.exchange(resize(s, capacity), dest=None, source=r - lower, recv_capacity=capacity,
-                                         status=progress.status, comm=comm, round=round_index, delta=plan.delta)
-            progress = progress.after(round_index, status, sent, s.is_dense)
-    return s, progress
+    if extra:  # unfold: rank i hands the total to rank P' + i
+        s = t.exchange(s, [(i, lower + i) for i in range(extra)], combine="replace")
+    return s

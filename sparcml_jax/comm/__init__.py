@@ -1,32 +1,99 @@
-"""Transports: how the algorithms move streams between ranks.
+"""Transports: what an algorithm may ask of the network, and the implementations of it.
 
-Both expose the same operations (``exchange``, ``reduce_scatter``, ``allgather``,
-``allgather_dense``) and put every MPI call on mpi4jax's ordered effect.
+Every algorithm of :mod:`sparcml_jax.collectives` is written once, against :class:`Transport`.
+Its operations are collective and SPMD: every rank makes the same calls with the same
+arguments, and rank-dependent choices (who sends to whom, which range a rank owns) are the
+transport's. A transport interprets them:
+
+- ``native`` (:mod:`.native`) records them as a program that our C engine runs in one FFI call,
+  on the calling thread or on the progress engine's thread; messages carry only valid entries;
+- ``mpi4jax`` (:mod:`.mpi4jax_transport`) turns them into mpi4jax ops on static buffers;
+- the cost model (:mod:`sparcml_jax.collectives.cost_model`) prices them;
+- :mod:`.simulated` runs them for every rank at once in numpy, counting the bytes each sends.
+
+Streams between operations are the transport's own values (a register, a ``SparseStream``, an
+estimate); algorithms only pass them on.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Any, Literal, Protocol, Sequence, TypeVar
 
 from mpi4py import MPI
 
-from sparcml_jax.comm import mpi4jax_transport, native
+S = TypeVar("S")
+Combine = Literal["add", "replace"]
 
-TRANSPORTS: dict[str, ModuleType] = {"native": native, "mpi4jax": mpi4jax_transport}
+
+class Quantize(Protocol):
+    bits: int
+    bucket_size: int
+    scale: str
 
 
-def get_transport(name: str) -> ModuleType:
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {name!r}")
-    return TRANSPORTS[name]
+class Transport(Protocol[S]):
+    """The operations of the SparCML algorithms, as every rank calls them.
+
+    Attributes:
+      name: the transport's name, as ``transport=`` takes it.
+      variable_length: messages carry only their valid entries (else whole static buffers).
+      nonblocking: can run a whole algorithm between a start and a wait.
+      nprocs: ranks taking part.
+      delta: SparCML's dense switch: a stream of N entries is dense once ``8 nnz >= delta 4 N``.
+    """
+
+    name: str
+    variable_length: bool
+    nonblocking: bool
+    nprocs: int
+    delta: float
+
+    def exchange(self, s: S, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> S:
+        """Every (source, dest) pair: ``source`` sends its stream to ``dest``, which adds it to
+        its own or replaces its own with it. Ranks in no pair keep theirs."""
+
+    def ring_pass(self, segments: list[S], *, send: int, into: int, combine: Combine) -> list[S]:
+        """Rank r sends ``segments[(r + send) % P]`` to rank r + 1 and combines what rank r - 1
+        sends into ``segments[(r + into) % P]`` (so ``send == into + 1``)."""
+
+    def reduce_scatter(self, s: S, *, dense: bool = False) -> S:
+        """Rank r gets the sum of range r of every rank's stream (indices local to the range): a
+        stream, or with ``dense`` the range's dense values."""
+
+    def allgather(self, part: S, *, dense: bool = False, quantize: Quantize | None = None) -> S:
+        """The concatenation of every rank's part of :meth:`reduce_scatter`: the whole vector as a
+        stream, or as dense values (``dense``), optionally QSGD-coded on the wire (``quantize``)."""
+
+    def allreduce(self, s: S) -> S:
+        """The dense sum of every rank's stream (MPI_Allreduce)."""
+
+    def gather(self, s: S) -> S:
+        """The sum of every rank's whole stream, each sent to every rank."""
+
+    def split(self, s: S, *, fan_in: int = 1) -> list[S]:
+        """This rank's stream cut into the P ranges (indices local to each), each with room for the
+        sum of ``fan_in`` such segments."""
+
+    def concat(self, segments: list[S]) -> S:
+        """This rank's segments over the P ranges, joined into one stream."""
+
+
+def transport_names() -> tuple[str, ...]:
+    return ("native", "mpi4jax")
+
+
+def check_transport(name: Any) -> str:
+    if name not in transport_names():
+        raise ValueError(f"transport must be one of {list(transport_names())}, got {name!r}")
+    return name
 
 
 def resolve_comm(comm: MPI.Comm | None) -> MPI.Comm:
     """``comm=None`` means mpi4jax's default communicator (a clone of COMM_WORLD), as in mpi4jax."""
     if comm is None:
-        from mpi4jax._src.utils import get_default_comm
+        from sparcml_jax.comm._compat import default_comm
 
-        return get_default_comm()
+        return default_comm()
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
     return comm

@@ -16,11 +16,9 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax._src.core import abstract_token  # jax.ffi.abstract_token from 0.11
-from jax._src.dispatch import apply_primitive
-from mpi4jax._src.utils import ordered_effect
 
 from sparcml_jax import _lib
+from sparcml_jax.comm._compat import abstract_token, apply_primitive, ordered_effect
 
 ORDERED_EFFECT = ordered_effect
 

@@ -1,174 +1,308 @@
-"""Native transport: our own MPI FFI ops that send only the valid entries of a stream.
+"""Native transport: our own MPI engine in C (ffi/bindings), which sends only the valid entries.
 
-Each message is a header plus either ``nnz`` (index, value) pairs or a dense slice, received
-with ``MPI_Mprobe``/``MPI_Get_count``/``MPI_Mrecv`` (SparCML §5). A ``status`` scalar travels
-through every op: a rank that failed keeps taking part in the schedule but sends an error header,
-so its peers never block, and :func:`check` makes every rank raise at the end.
+An algorithm runs here once per trace and records what it asks of the transport as a program of
+fixed-width instructions over stream registers (``ffi/bindings/mpi_program.h``). One FFI call
+then runs the whole program: :func:`run` on the calling thread, or :func:`start` on the progress
+engine's thread until :func:`wait`. Blocking and non-blocking calls execute the same program.
+
+Every message starts with a header that carries the call's signature hash and error flags
+(``ffi/bindings/mpi_wire.h``): agreement and validation ride on the algorithm's own messages.
+Only a collective MPI call (the dense allreduce; the dense allgather when nothing before it
+heard from every rank) and a choice on the global count need a step of their own first.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import struct
+import sys
+import time
+from typing import Any, Callable, Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from mpi4py import MPI
 
+from sparcml_jax import _lib
+from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
-from sparcml_jax.comm.topology import check_peers, part_length
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_threshold
+from sparcml_jax.comm.topology import (check_pairs, concatenated_capacity, exchange_capacity, gathered_capacity,
+                                       grown_capacity, part_capacity, part_length, peers_of, segment_capacities)
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 NAME = "native"
-_TAG_BASE = 0x5CA0
+# Instruction words {op, dst, capacity, a, b, c, d, e}: keep in step with ffi/bindings/mpi_program.h.
+WORDS = 8
+EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE = range(1, 12)
+COMBINE = {"add": 1, "replace": 2}
+PAIRS, DENSE_SLICES, QUANTIZED = 0, 1, 2
+SCALES = {"max": 0, "l2": 1}
+# How long exit waits for reductions in flight (their peers must run them too).
+EXIT_TIMEOUT_ENV = "SPARCML_JAX_EXIT_TIMEOUT"
+SIGNATURE_FIELDS = 16  # fixed: every rank's diagnosis gathers the same number of values
+
 _ShapedArray = jax.core.ShapedArray
 
 
-def _stream_results(capacity: int):
-    return [
-        _ShapedArray((capacity,), INDEX_DTYPE),
-        _ShapedArray((capacity,), VALUE_DTYPE),
-        _ShapedArray((), INDEX_DTYPE),
-        _ShapedArray((), INDEX_DTYPE),  # status
-        _ShapedArray((), VALUE_DTYPE),  # bytes sent
-    ]
+@dataclasses.dataclass(frozen=True)
+class Register:
+    """A stream of the program being recorded: static on this rank.
 
-
-_exchange_p = ordered_ffi_primitive(
-    "sparcml_exchange", "sparcml_mpi_exchange", "SparcmlMpiExchange",
-    lambda *avals, recv_capacity, **_: _stream_results(int(recv_capacity)), shape_params=("recv_capacity",),
-)
-_reduce_scatter_p = ordered_ffi_primitive(
-    "sparcml_reduce_scatter", "sparcml_mpi_reduce_scatter", "SparcmlMpiReduceScatter",
-    lambda *avals, part_capacity, **_: _stream_results(int(part_capacity)), shape_params=("part_capacity",),
-)
-_allgather_p = ordered_ffi_primitive(
-    "sparcml_allgather", "sparcml_mpi_allgather", "SparcmlMpiAllgather",
-    lambda *avals, out_capacity, **_: _stream_results(int(out_capacity)), shape_params=("out_capacity",),
-)
-_gather_streams_p = ordered_ffi_primitive(
-    "sparcml_gather_streams", "sparcml_mpi_gather_streams", "SparcmlMpiGatherStreams",
-    lambda idx, val, nnz, status, *, nprocs, **_: [
-        _ShapedArray((int(nprocs), idx.shape[0]), INDEX_DTYPE), _ShapedArray((int(nprocs), idx.shape[0]), VALUE_DTYPE),
-        _ShapedArray((int(nprocs),), INDEX_DTYPE), _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE),
-    ],
-    shape_params=("nprocs",),
-)
-_summary_p = ordered_ffi_primitive(
-    "sparcml_summary", "sparcml_mpi_summary", "SparcmlMpiSummary",
-    lambda *avals, **_: [_ShapedArray((3,), INDEX_DTYPE)],
-)
-_check_p = ordered_ffi_primitive("sparcml_check", "sparcml_mpi_check", "SparcmlMpiCheck", lambda *avals, **_: [])
-_reduce_scatter_dense_p = ordered_ffi_primitive(
-    "sparcml_reduce_scatter_dense", "sparcml_mpi_reduce_scatter_dense", "SparcmlMpiReduceScatterDense",
-    lambda *avals, length, **_: [_ShapedArray((int(length),), VALUE_DTYPE), _ShapedArray((), INDEX_DTYPE),
-                                 _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE)],
-    shape_params=("length",),
-)
-_allgather_dense_p = ordered_ffi_primitive(
-    "sparcml_allgather_dense", "sparcml_mpi_allgather_dense", "SparcmlMpiAllgatherDense",
-    lambda *avals, size, **_: [_ShapedArray((int(size),), INDEX_DTYPE), _ShapedArray((int(size),), VALUE_DTYPE),
-                               _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE)],
-    shape_params=("size",),
-)
-_allreduce_dense_p = ordered_ffi_primitive(
-    "sparcml_allreduce_dense", "sparcml_mpi_allreduce_dense", "SparcmlMpiAllreduceDense",
-    lambda *avals, size, **_: [_ShapedArray((int(size),), INDEX_DTYPE), _ShapedArray((int(size),), VALUE_DTYPE)],
-    shape_params=("size",),
-)
-
-
-def _bind_stream(prim, s: SparseStream, status, size: int, **params):
-    idx, val, nnz, status, sent = prim.bind(s.indices, s.values, s.nnz, status, **params)
-    return SparseStream(idx, val, nnz, size), status, sent
-
-
-def exchange(s: SparseStream, *, dest: int | None, source: int | None, recv_capacity: int, status: jax.Array,
-             comm: MPI.Comm, round: int = 0, delta: float = 1.0):
-    """Sends ``s`` to ``dest`` and receives a stream from ``source`` (None: that side is skipped).
-
-    Only the valid pairs travel, or the dense values once the stream is dense; ``delta`` is not
-    needed here because the sender's merge already applied the switch.
+    Attributes:
+      id: the register's number.
+      size: length of its index space (a range's length for a part of a reduce-scatter).
+      capacity: its static capacity.
+      source_capacity: for a part, the capacity of the stream it was reduced from (-1 otherwise).
     """
-    check_peers(comm, dest=dest, source=source)
-    return _bind_stream(
-        _exchange_p, s, status, s.size, recv_capacity=i64(recv_capacity), comm=i64(comm.py2f()),
-        dest=i64(-1 if dest is None else dest), source=i64(-1 if source is None else source),
-        tag=i64(_TAG_BASE + round), n=i64(s.size),
-    )
+
+    id: int
+    size: int
+    capacity: int
+    source_capacity: int = -1
 
 
-def reduce_scatter(s: SparseStream, *, part_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float):
-    """Sums range r of every rank's stream on rank r. Returns this rank's part (local indices)."""
-    rank, parts = comm.Get_rank(), comm.Get_size()
-    return _bind_stream(
-        _reduce_scatter_p, s, status, part_length(s.size, parts, rank), part_capacity=i64(part_capacity),
-        comm=i64(comm.py2f()), tag=i64(_TAG_BASE + 64), n=i64(s.size), delta=float(delta),
-    )
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A recorded algorithm: its instructions, and where its result is (``result`` -1: none)."""
+
+    code: tuple[int, ...]
+    result: int
+    size: int
+    capacity: int
+    algorithm: int = -1  # ALGORITHMS code; -1 when the program chooses (then it reports its choice)
 
 
-def allgather(part: SparseStream, *, size: int, out_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float,
-              slot_capacity: int | None = None):
-    """Concatenates every rank's part (local indices of its range) into one stream of ``size``.
+class Recorder:
+    """The native :class:`~sparcml_jax.comm.Transport`: records each operation as an instruction."""
 
-    Each part travels as its valid pairs or as its dense slice, whichever is smaller, so
-    ``slot_capacity`` (the static message size of the mpi4jax transport) is not needed.
+    name = NAME
+    variable_length = True
+    nonblocking = True
+
+    def __init__(self, rank: int, nprocs: int, delta: float, size: int, counter: list[int] | None = None):
+        self.rank, self.nprocs, self.delta, self.size = rank, nprocs, delta, size
+        self.code: list[int] = []
+        self._counter = counter if counter is not None else [1]  # register 0 is the input
+
+    def _new(self, size: int, capacity: int, **fields: int) -> Register:
+        reg = Register(self._counter[0], size, capacity, **fields)
+        self._counter[0] += 1
+        return reg
+
+    def emit(self, op: int, dst: int = 0, capacity: int = 0, *args: int) -> None:
+        self.code += [op, dst, capacity, *args, *[0] * (WORDS - 3 - len(args))]
+
+    def exchange(self, s: Register, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Register:
+        check_pairs(pairs, self.nprocs)
+        dest, source = peers_of(pairs, self.rank)
+        out = self._new(s.size, exchange_capacity(s.capacity, s.size, combine, self.delta))
+        self.emit(EXCHANGE, out.id, out.capacity, s.id, s.id, dest, source, COMBINE[combine])
+        return out
+
+    def ring_pass(self, segments: list[Register], *, send: int, into: int, combine: Combine) -> list[Register]:
+        p, r = self.nprocs, self.rank
+        if (send - into) % p != 1 % p:
+            raise ValueError(f"ring_pass: rank r + 1 combines what rank r sends, so send must be into + 1 "
+                             f"(got send={send}, into={into})")
+        target = segments[(r + into) % p]
+        out = self._new(target.size, target.capacity)
+        self.emit(EXCHANGE, out.id, out.capacity, segments[(r + send) % p].id, target.id, (r + 1) % p, (r - 1) % p,
+                  COMBINE[combine])
+        return [out if j == (r + into) % p else seg for j, seg in enumerate(segments)]
+
+    def reduce_scatter(self, s: Register, *, dense: bool = False) -> Register:
+        length = part_length(s.size, self.nprocs, self.rank)
+        capacity = length if dense else part_capacity(s.capacity, s.size, self.nprocs, self.rank, self.delta)
+        out = self._new(length, capacity, source_capacity=s.capacity)
+        self.emit(REDUCE_SCATTER, out.id, capacity, s.id, int(dense))
+        return out
+
+    def allgather(self, part: Register, *, dense: bool = False, quantize: Quantize | None = None) -> Register:
+        n = self.size
+        if quantize is not None:
+            out = self._new(n, n)
+            self.emit(ALLGATHER, out.id, n, part.id, QUANTIZED, quantize.bits, quantize.bucket_size,
+                      SCALES[quantize.scale])
+        elif dense:
+            out = self._new(n, n)
+            self.emit(ALLGATHER, out.id, n, part.id, DENSE_SLICES)
+        else:
+            out = self._new(n, gathered_capacity(part.source_capacity, n, self.nprocs, self.delta))
+            self.emit(ALLGATHER, out.id, out.capacity, part.id, PAIRS)
+        return out
+
+    def allreduce(self, s: Register) -> Register:
+        out = self._new(s.size, s.size)
+        self.emit(ALLREDUCE, out.id, out.capacity, s.id)
+        return out
+
+    def gather(self, s: Register) -> Register:
+        out = self._new(s.size, grown_capacity(s.capacity, s.size, self.nprocs, self.delta))
+        self.emit(GATHER, out.id, out.capacity, s.id)
+        return out
+
+    def split(self, s: Register, *, fan_in: int = 1) -> list[Register]:
+        capacities = segment_capacities(s.capacity, s.size, self.nprocs, fan_in, self.delta)
+        segments = [self._new(part_length(s.size, self.nprocs, r), c) for r, c in enumerate(capacities)]
+        self.emit(SPLIT, segments[0].id, s.capacity, s.id)
+        return segments
+
+    def concat(self, segments: list[Register]) -> Register:
+        # The engine reads the segments from consecutive registers.
+        block = [self._new(seg.size, seg.capacity) for seg in segments]
+        for seg, to in zip(segments, block):
+            self.emit(MOVE, to.id, to.capacity, seg.id)
+        out = self._new(self.size, concatenated_capacity([seg.capacity for seg in segments], self.size, self.delta))
+        self.emit(CONCAT, out.id, out.capacity, block[0].id)
+        return out
+
+
+def record(algorithm: Callable[..., Register], *, rank: int, nprocs: int, delta: float, size: int, capacity: int,
+           code: int, **options: Any) -> Program:
+    """Records ``algorithm(transport, stream, **options)`` for this rank."""
+    rec = Recorder(rank, nprocs, delta, size)
+    out = algorithm(rec, Register(0, size, capacity), **options)
+    return Program(tuple(rec.code), out.id, size, out.capacity, code)
+
+
+def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dict]], *, rank: int, nprocs: int,
+                  delta: float, size: int, capacity: int) -> Program:
+    """A program that agrees on the largest nnz over ranks, then runs the first of ``choices``
+    ((bound, code, algorithm, options)) whose bound covers it; the result has the largest capacity."""
+    counter = [1]
+    rec = Recorder(rank, nprocs, delta, size, counter)
+    rec.emit(AGREE, 0, 0, 0)
+    branches = []
+    for bound, code, algorithm, options in choices:
+        sub = Recorder(rank, nprocs, delta, size, counter)
+        out = algorithm(sub, Register(0, size, capacity), **options)
+        branches.append((bound, code, sub, out))
+    result = Register(counter[0], size, max(out.capacity for *_, out in branches))
+    rec.emit(CHOOSE, 0, 0, len(branches))
+    for bound, code, sub, out in branches:
+        sub.emit(MOVE, result.id, result.capacity, out.id)
+        rec.code += [bound, code, len(sub.code) // WORDS, 0, 0, 0, 0, 0]
+    for *_, sub, _ in branches:
+        rec.code += sub.code
+    return Program(tuple(rec.code), result.id, size, result.capacity, -1)
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A call's static choices as ranks compare them: named int64 fields and their hash."""
+
+    fields: tuple[int, ...]
+    names: str
+    hash: int
+
+    @classmethod
+    def of(cls, collective: str | None, **fields: Any) -> "Signature":
+        """``collective=None`` is a rejected call (its rank raised on its arguments)."""
+        values = {"argument error": 0 if collective else 1,
+                  "collective": {"allreduce": 1, "allgather": 2, "calibrate": 3, None: -1}[collective]}
+        for name, value in fields.items():
+            if isinstance(value, float):
+                value = struct.unpack("<q", struct.pack("<d", value))[0]
+            elif isinstance(value, str):
+                value = int.from_bytes(value.encode()[:7].ljust(7, b"\0"), "little")
+            values[name] = -1 if value is None else int(value)
+        if len(values) > SIGNATURE_FIELDS:
+            raise ValueError(f"a signature holds at most {SIGNATURE_FIELDS} fields, got {len(values)}")
+        values.update({f"unused {i}": 0 for i in range(len(values), SIGNATURE_FIELDS)})
+        packed = np.asarray(list(values.values()), np.int64).tobytes()
+        digest = int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little", signed=True)
+        return cls(tuple(values.values()), ",".join(values), digest)
+
+
+# ----------------------------------------------------------------------------- FFI calls
+
+
+def _results(capacity: int):
+    return [_ShapedArray((capacity,), INDEX_DTYPE), _ShapedArray((capacity,), VALUE_DTYPE),
+            _ShapedArray((), INDEX_DTYPE), _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE),
+            _ShapedArray((), INDEX_DTYPE)]
+
+
+_run_p = ordered_ffi_primitive("sparcml_run", "sparcml_mpi_run", "SparcmlMpiRun",
+                               lambda *avals, capacity, **_: _results(int(capacity)), shape_params=("capacity",))
+_start_p = ordered_ffi_primitive("sparcml_engine_start", "sparcml_engine_start", "SparcmlEngineStart",
+                                 lambda *avals, **_: [_ShapedArray((), INDEX_DTYPE)])
+_wait_p = ordered_ffi_primitive("sparcml_engine_wait", "sparcml_engine_wait", "SparcmlEngineWait",
+                                lambda job, *after, capacity: _results(int(capacity)), shape_params=("capacity",))
+
+
+def _attributes(program: Program, comm: MPI.Comm, signature: Signature, delta: float, rejected: bool) -> dict:
+    return dict(comm=i64(comm.py2f()), n=i64(program.size), delta=float(delta), program=program.code,
+                result=i64(program.result), algorithm=i64(program.algorithm), signature=signature.fields,
+                hash=i64(signature.hash), fields=signature.names, rejected=i64(int(rejected)))
+
+
+def _key_or_zeros(key_words):
+    return jnp.zeros((2,), jnp.uint32) if key_words is None else key_words
+
+
+def run(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
+        key_words: jax.Array | None = None, rejected: bool = False):
+    """Runs ``program`` on this rank's stream, on the calling thread. Returns (result, algorithm
+    code, bytes sent, dense round); for a program without a result, the result's nnz is the
+    largest nnz over ranks and its buffers are empty."""
+    capacity = program.capacity if program.result >= 0 else 0
+    idx, val, nnz, algorithm, sent, dense_round = _run_p.bind(
+        s.indices, s.values, s.nnz, _key_or_zeros(key_words), capacity=i64(capacity),
+        **_attributes(program, comm, signature, delta, rejected))
+    return SparseStream(idx, val, nnz, program.size), algorithm, sent, dense_round
+
+
+def agree(s: SparseStream, *, comm: MPI.Comm, signature: Signature, rejected: bool = False) -> jax.Array:
+    """Ranks compare ``signature`` and validate their streams (a mismatch or an invalid stream
+    raises on every rank). Returns the largest nnz over ranks."""
+    program = Program((AGREE, 0, 0, 0, 0, 0, 0, 0), -1, s.size, 0)
+    return run(program, s, comm=comm, signature=signature, delta=1.0, rejected=rejected)[0].nnz
+
+
+def start(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
+          key_words: jax.Array | None = None, rejected: bool = False) -> jax.Array:
+    """Submits ``program`` to the progress engine and returns the job's id (int32) at once."""
+    _shutdown_at_exit()
+    (job,) = _start_p.bind(s.indices, s.values, s.nnz, _key_or_zeros(key_words),
+                           **_attributes(program, comm, signature, delta, rejected))
+    return job
+
+
+def wait(job: jax.Array, *, size: int, capacity: int, after=()):
+    """Blocks until job ``job`` is done; returns (result, algorithm code, bytes sent, dense round).
+    The arrays of ``after`` become operands (unread), so XLA computes them before the wait."""
+    idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, *jax.tree.leaves(after), capacity=i64(capacity))
+    return SparseStream(idx, val, nnz, size), algorithm, sent, dense_round
+
+
+@functools.cache
+def _shutdown_at_exit() -> None:
+    # Registered after mpi4py's import, so it runs before MPI_Finalize.
+    atexit.register(_shutdown)
+
+
+def _shutdown() -> None:
+    """Lets reductions still in flight finish (every rank runs them), then stops the engine.
+
+    If they cannot finish, a peer never started its part: the job can only be ended by aborting,
+    which beats hanging in MPI_Finalize.
     """
-    return _bind_stream(
-        _allgather_p, part, status, size, out_capacity=i64(out_capacity), comm=i64(comm.py2f()),
-        tag=i64(_TAG_BASE + 65), n=i64(size), delta=float(delta),
-    )
-
-
-def gather_streams(s: SparseStream, *, status: jax.Array, comm: MPI.Comm):
-    """Every rank's whole stream: (indices[P, cap], values[P, cap], nnz[P]), valid entries only on the wire."""
-    idx, val, nnz, status, sent = _gather_streams_p.bind(
-        s.indices, s.values, s.nnz, status, nprocs=i64(comm.Get_size()), comm=i64(comm.py2f()),
-        tag=i64(_TAG_BASE + 65), n=i64(s.size)
-    )
-    return (idx, val, nnz), status, sent
-
-
-def summary(s: SparseStream, *, comm: MPI.Comm, signature: dict[str, int]) -> jax.Array:
-    """The first MPI call of every collective: ranks agree on ``signature`` (static choices that
-    must match everywhere) and validate their streams; any mismatch or bad stream raises on every
-    rank. Returns [max nnz, min nnz, sum nnz] over ranks."""
-    (out,) = _summary_p.bind(
-        s.indices, s.nnz, comm=i64(comm.py2f()), n=i64(s.size),
-        signature=tuple(int(v) for v in signature.values()), fields=",".join(signature),
-    )
-    return out
-
-
-def check(status: jax.Array, *, comm: MPI.Comm) -> None:
-    """Raises on every rank if any rank's status is an error."""
-    _check_p.bind(jnp.asarray(status, INDEX_DTYPE), comm=i64(comm.py2f()))
-
-
-def reduce_scatter_dense(s: SparseStream, *, part_capacity: int, status: jax.Array, comm: MPI.Comm, delta: float):
-    """Sums range r of every rank's stream on rank r, as the dense slice of that range (DSAR's split
-    phase). Returns (slice, whether SparCML's rule makes the sum dense, status, bytes sent).
-
-    The segments travel as in :func:`reduce_scatter`; they are added straight into the dense
-    slice instead of merged into a sorted stream (``part_capacity`` is not needed).
-    """
-    rank, parts = comm.Get_rank(), comm.Get_size()
-    length = part_length(s.size, parts, rank)
-    values, union, status, sent = _reduce_scatter_dense_p.bind(
-        s.indices, s.values, s.nnz, status, length=i64(length), comm=i64(comm.py2f()), tag=i64(_TAG_BASE + 64),
-        n=i64(s.size), delta=float(delta),
-    )
-    # Dense as the merged part would be: by SparCML's rule, or when it covers its range (also when empty).
-    return values, (union >= dense_threshold(length, delta)) | (union == length), status, sent
-
-
-def allgather_dense(values: jax.Array, *, size: int, status: jax.Array, comm: MPI.Comm):
-    """Concatenates every rank's dense slice of its range (the DSAR allgather phase) into a dense
-    stream: each slice is received in place in the result (MPI_Allgather, or MPI_Allgatherv when
-    N % P != 0), with no staging buffer."""
-    idx, val, status, sent = _allgather_dense_p.bind(values, status, size=i64(size), comm=i64(comm.py2f()))
-    return SparseStream(idx, val, jnp.int32(size), size), status, sent
-
-
-def allreduce_dense(s: SparseStream, *, comm: MPI.Comm) -> SparseStream:
-    """MPI_Allreduce of the stream as a dense vector, densified straight into the result: the dense
-    baseline, as a dense stream (the summary step has validated ``s``)."""
-    idx, val = _allreduce_dense_p.bind(s.indices, s.values, s.nnz, size=i64(s.size), comm=i64(comm.py2f()))
-    return SparseStream(idx, val, jnp.int32(s.size), s.size)
+    lib = _lib.mpi_library()
+    lib.SparcmlEngineShutdown.restype = int
+    lib.SparcmlEngineShutdown.argtypes = [ctypes.c_double]
+    timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
+    if not lib.SparcmlEngineShutdown(timeout):
+        print(f"sparcml_jax: a non-blocking allreduce was still in flight at exit and its peers did not complete "
+              f"it within {timeout:g} s ({EXIT_TIMEOUT_ENV}); aborting the MPI job", file=sys.stderr, flush=True)
+        time.sleep(0.5)  # lets mpiexec forward the message before the abort takes the job down
+        MPI.COMM_WORLD.Abort(1)

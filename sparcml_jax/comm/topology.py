@@ -63,3 +63,38 @@ def gathered_capacity(capacity: int, size: int, parts: int, delta: float) -> int
     """Capacity of the allgather result: the sum of the part capacities."""
     total = sum(part_capacity(capacity, size, parts, r, delta) for r in range(parts))
     return grown_capacity(total, size, 1, delta)
+
+
+def exchange_capacity(capacity: int, size: int, combine: str, delta: float) -> int:
+    """Capacity after an exchange: the sum of two streams when adding, the sender's when replacing."""
+    return grown_capacity(capacity, size, 2, delta) if combine == "add" else capacity
+
+
+def segment_capacities(capacity: int, size: int, parts: int, fan_in: int, delta: float) -> list[int]:
+    """Capacities of a stream's segments over the P ranges, each with room for the sum of
+    ``fan_in`` such segments (a segment of a stream of capacity c over a range of L holds at
+    most min(c, L) pairs)."""
+    return [grown_capacity(min(capacity, part_length(size, parts, r)), part_length(size, parts, r), fan_in, delta)
+            for r in range(parts)]
+
+
+def concatenated_capacity(capacities, size: int, delta: float) -> int:
+    """Capacity of the concatenation of streams over consecutive ranges of a length-``size`` vector."""
+    return grown_capacity(sum(capacities), size, 1, delta)
+
+
+def check_pairs(pairs, nprocs: int) -> None:
+    """An exchange's (source, dest) pairs: ranks of the communicator, each a source and a dest at most once."""
+    sources = [s for s, _ in pairs]
+    dests = [d for _, d in pairs]
+    bad = [r for r in sources + dests if not 0 <= r < nprocs]
+    if bad or len(set(sources)) != len(sources) or len(set(dests)) != len(dests):
+        raise ValueError(f"exchange pairs {list(pairs)} must name ranks in [0, {nprocs}), each at most once as a "
+                         "source and once as a destination")
+
+
+def peers_of(pairs, rank: int) -> tuple[int, int]:
+    """(dest, source) of ``rank`` in an exchange's (source, dest) pairs; -1 where it has none."""
+    dest = next((d for s, d in pairs if s == rank), -1)
+    source = next((s for s, d in pairs if d == rank), -1)
+    return dest, source

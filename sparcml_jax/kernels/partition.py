@@ -23,7 +23,8 @@ import numpy as np
 
 from sparcml_jax import _lib
 from sparcml_jax.kernels._common import attr_i64, check_stream, check_vector, on_cpu_or_reference, scalar_i32
-from sparcml_jax.stream import MAX_SIZE, INDEX_DTYPE, VALUE_DTYPE, SparseStream, check_size, dense_threshold
+from sparcml_jax.stream import (MAX_SIZE, INDEX_DTYPE, VALUE_DTYPE, SparseStream, check_size, dense_threshold,
+                                install_conversions)
 
 _FROM_DENSE = "sparcml_from_dense"
 _FROM_DENSE_COUNTED = "sparcml_from_dense_counted"
@@ -425,3 +426,6 @@ __all__ = [
     "split",
     "split_reference",
 ]
+
+
+install_conversions(from_dense=from_dense, to_dense=lambda s: scatter_add(s, jnp.zeros((s.size,), VALUE_DTYPE)))

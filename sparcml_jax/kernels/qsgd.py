@@ -152,7 +152,7 @@ def _check_scale(scale: Any) -> str:
     return scale
 
 
-def _key_words(key: Any) -> jax.Array:
+def key_words(key: Any) -> jax.Array:
     """The uint32[2] data of a threefry key, typed or raw."""
     if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != ():
@@ -233,7 +233,7 @@ def qsgd_quantize(x: jax.Array, key: jax.Array, *, bits: int = 4, bucket_size: i
     bits, bucket_size, scale = _check_bits(bits), _check_bucket_size(bucket_size), _check_scale(scale)
     x = check_vector(x, "x")
     size = check_size(x.shape[0], "x.shape[0]")
-    words = _key_words(key)
+    words = key_words(key)
     if size == 0:
         return _empty(bits, bucket_size, scale)
     nbytes, nb = qsgd_packed_bytes(size, bits), qsgd_num_buckets(size, bucket_size)
@@ -286,7 +286,7 @@ def _mix32(x: jax.Array) -> jax.Array:
 
 def qsgd_uniforms(key: jax.Array, count: int) -> jax.Array:
     """The ``u_i`` of elements ``0..count-1`` under ``key``: float32 multiples of 2**-24 in [0, 1)."""
-    words = _key_words(key)
+    words = key_words(key)
     s0 = _mix32(words[0] ^ np.uint32(0x243F6A88))
     s1 = _mix32(words[1] ^ _mix32(s0 ^ np.uint32(0x85A308D3)))
     i = jnp.arange(count, dtype=jnp.uint32)

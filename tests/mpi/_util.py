@@ -23,7 +23,7 @@ RANK = COMM.Get_rank()
 NPROCS = COMM.Get_size()
 ERRORS = (ValueError, RuntimeError)  # JaxRuntimeError on a first call, ValueError on a warm jitted call
 
-EXPLICIT = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+EXPLICIT = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
 ALGORITHMS_AND_AUTO = (*EXPLICIT, "auto")
 TRANSPORTS = ("native", "mpi4jax")
 
@@ -172,8 +172,9 @@ def expected_nnz(algorithm: str, inputs: Inputs, result_capacity: int) -> int:
 
     dense and DSAR end dense. SSAR_Recursive_double merges streams, so its result is dense exactly
     when the union of all supports reaches the threshold (and the result capacity can hold N).
-    SSAR_Split_allgather decides per range first (a range whose union reaches its own threshold
-    travels as its dense slice, i.e. counts its full length), then on the concatenated count.
+    SSAR_Split_allgather and the sparse ring decide per range first (a range whose union reaches
+    its own threshold travels as its dense slice, i.e. counts its full length), then on the
+    concatenated count.
     """
     n, p = inputs.size, NPROCS
     if algorithm in ("dense", "dsar_split_allgather"):
@@ -183,7 +184,7 @@ def expected_nnz(algorithm: str, inputs: Inputs, result_capacity: int) -> int:
     union = inputs.union
     if algorithm == "ssar_recursive_doubling":
         count = union.size
-    elif algorithm == "ssar_split_allgather":
+    elif algorithm in ("ssar_split_allgather", "sparse_ring"):
         count = 0
         for r in range(p):
             lo, hi = part_bounds(n, p, r)
@@ -242,11 +243,9 @@ def poisoned_token_error() -> str | None:
     it when the next ordered program starts, on this rank only: that rank then skips a collective
     its peers enter. Tests probe for this before the next collective and agree on the outcome.
     """
-    from jax._src import dispatch
+    from sparcml_jax.comm._compat import runtime_token_values
 
-    tokens = list(dispatch.runtime_tokens.current_tokens.values())
-    tokens += list(dispatch.runtime_tokens.output_runtime_tokens.values())
-    for token in tokens:
+    for token in runtime_token_values():
         try:
             token.block_until_ready()
         except Exception as e:  # noqa: BLE001
@@ -256,13 +255,13 @@ def poisoned_token_error() -> str | None:
 
 def reset_runtime_tokens() -> None:
     """Drops JAX's (possibly failed) runtime tokens: test isolation after a poisoned token."""
-    from jax._src import dispatch
+    from sparcml_jax.comm._compat import clear_runtime_tokens
 
     try:
         jax.effects_barrier()
     except Exception:  # noqa: BLE001 - the stale error itself
         pass
-    dispatch.runtime_tokens.clear()
+    clear_runtime_tokens()
 
 
 def agree_on_poisoned_tokens() -> list[str]:

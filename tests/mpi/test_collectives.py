@@ -37,10 +37,11 @@ from _util import (
 )
 
 from sparcml_jax import ALGORITHMS, SparseStream, sparse_allgather, sparse_allreduce
-from sparcml_jax.collectives import _static_choice
+
 from sparcml_jax.collectives._plan import Plan
+from sparcml_jax.collectives.auto import best, choice_table
 from sparcml_jax.collectives.cost_model import CostModel
-from sparcml_jax.comm import get_transport
+
 
 DENSITIES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0)
 SUPPORTS = ("random", "identical", "unequal", "nested")
@@ -394,7 +395,7 @@ def test_auto_on_mpi4jax_prices_the_capacity_and_chooses_at_trace_time():
     vector per message however few nonzeros it holds: auto must not run recursive doubling on it
     (measured 8x the dense allreduce at N = 2^22, P = 4), and since its prices then depend on
     capacities alone it chooses while tracing, without the run-time switch the native transport
-    needs (checked on the same stream and model, so the test can tell them apart)."""
+    needs: there the table holds the best algorithm at every bound of the actual count."""
     model = CostModel(alpha=1e-5, beta=1e-9, dense_alpha=1e-5, dense_beta=2.5e-10, pair_cost=5e-9,
                       element_cost=2.5e-10)
     inp = inputs("full", 1e-3, "random")
@@ -404,8 +405,12 @@ def test_auto_on_mpi4jax_prices_the_capacity_and_chooses_at_trace_time():
         failures.append(f"mpi4jax chose {ALGORITHMS[int(stats.algorithm)]} for a capacity-N stream")
     if not np.array_equal(np.asarray(out.to_dense()), inp.total):
         failures.append("wrong sum")
-    for transport, static in (("mpi4jax", "dense"), ("native", None)):
-        choice = _static_choice(Plan(COMM, get_transport(transport), 1.0), inp.stream, model)
-        if choice != static:
-            failures.append(f"{transport}: chose {choice!r} while tracing, expected {static!r}")
+    rows = choice_table(model, Plan(COMM, "mpi4jax", 1.0), inp.size, inp.capacity)
+    if rows != [(inp.capacity, "dense")]:
+        failures.append(f"mpi4jax: choice table {rows}, expected dense, chosen while tracing")
+    native = Plan(COMM, "native", 1.0)
+    rows = choice_table(model, native, inp.size, inp.capacity)
+    for bound, name in rows:  # the native transport prices the actual count
+        if name != best(model, native, inp.size, inp.capacity, bound):
+            failures.append(f"native: choice table {rows} does not hold the best algorithm at nnz={bound}")
     agree_all(failures, "auto on the mpi4jax transport")

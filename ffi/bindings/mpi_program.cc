@@ -1,0 +1,622 @@
+#include "mpi_program.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "merge.h"
+#include "partition.h"
+#include "qsgd.h"
+
+namespace sparcml {
+
+namespace {
+
+struct Buffers {
+  Scratch<int32_t> idx;
+  Scratch<float> val;
+};
+
+int64_t PartStart(int64_t n, int parts, int r) { return sparcml_part_start(n, parts, r); }
+
+// A stream's pairs [begin, end) re-based by `offset`, or its dense slice, as one range travels:
+// a dense slice once that is no larger than the pairs (SparCML's rule, on the actual count).
+struct Range {
+  Header header;
+  const int32_t* idx = nullptr;
+  const float* val = nullptr;
+  std::shared_ptr<Buffers> storage;
+};
+
+class Interpreter {
+ public:
+  Interpreter(const ProgramArgs& args, Call& call, Output output) : args_(args), call_(call), output_(output) {}
+
+  void Run(const int64_t* code, int64_t count) {
+    for (int64_t pc = 0; pc < count; ++pc) {
+      const int64_t* w = code + pc * kWords;
+      if (w[0] == kChoose) {
+        pc += Choose(w, code + (pc + 1) * kWords);
+        continue;
+      }
+      Execute(w);
+    }
+  }
+
+  Stream& Reg(int64_t i) {
+    if (i >= static_cast<int64_t>(regs_.size())) regs_.resize(i + 1);
+    return regs_[i];
+  }
+
+  int32_t algorithm = -1;
+  int32_t dense_round = -1;
+
+ private:
+  // Returns how many instruction rows the choice and its branches take after its own.
+  int64_t Choose(const int64_t* w, const int64_t* rows) {
+    int64_t choices = w[3], skip = choices, picked = -1, start = 0;
+    for (int64_t i = 0; i < choices; ++i) {  // the first choice whose bound covers the largest count
+      const int64_t* row = rows + i * kWords;
+      if (picked < 0 && (row[0] >= call_.nnz_max() || i == choices - 1)) {
+        picked = i;
+        start = skip;
+        algorithm = static_cast<int32_t>(row[1]);
+      }
+      skip += row[2];
+    }
+    const int64_t* chosen = rows + picked * kWords;
+    Run(rows + start * kWords, chosen[2]);
+    return skip;
+  }
+
+  void Execute(const int64_t* w) {
+    int64_t dst = w[1], cap = w[2];
+    switch (w[0]) {
+      case kExchange: Exchange(dst, cap, w[3], w[4], static_cast<int>(w[5]), static_cast<int>(w[6]), w[7]); break;
+      case kReduceScatter: ReduceScatter(dst, cap, w[3], w[4] != 0); break;
+      case kAllgather:
+        if (w[4] == kPairs) {
+          AllgatherPairs(dst, cap, w[3]);
+        } else {
+          AllgatherDense(dst, w[3], w[4] == kQuantized ? static_cast<int>(w[5]) : 0, w[6], static_cast<int>(w[7]));
+        }
+        break;
+      case kAllreduce: Allreduce(dst, w[3]); break;
+      case kSplit: Split(dst, Reg(w[3]), cap); break;
+      case kConcat: Concat(dst, cap, w[3]); break;
+      case kGather: Gather(dst, cap, w[3]); break;
+      case kAgree: call_.Agree(Reg(w[3]).nnz); break;
+      case kMove: {
+        Stream s = Reg(w[3]);
+        s.capacity = cap;
+        Reg(dst) = s;
+        break;
+      }
+      case kFree: Reg(w[3]) = Stream{}; break;
+      default: throw std::runtime_error("unknown instruction " + std::to_string(w[0]));
+    }
+  }
+
+  // --- storage: the result register goes straight into the caller's output buffers.
+  struct Writable {
+    int32_t* idx;
+    float* val;
+  };
+
+  Writable Allocate(Stream& s, int64_t reg, int64_t n, int64_t pairs, bool dense) {
+    s.n = n;
+    s.dense = dense;
+    int64_t slots = dense ? n : pairs;
+    if (reg == args_.result_register && output_.val && slots <= output_.capacity) {
+      s.storage.reset();
+      s.idx = dense ? nullptr : output_.idx;
+      s.val = output_.val;
+      return {output_.idx, output_.val};
+    }
+    auto b = std::make_shared<Buffers>();
+    if (!dense) b->idx.resize(std::max<int64_t>(slots, 1));
+    b->val.resize(std::max<int64_t>(slots, 1));
+    s.idx = dense ? nullptr : b->idx.data();
+    s.val = b->val.data();
+    Writable out{dense ? nullptr : b->idx.data(), b->val.data()};
+    s.storage = std::move(b);
+    return out;
+  }
+
+  Stream Empty(int64_t n, int64_t cap) const {
+    Stream s;
+    s.n = n;
+    s.capacity = cap;
+    return s;
+  }
+
+  void AfterRound(int64_t dst, bool took_part) {
+    if (took_part && dense_round < 0 && Reg(dst).dense) dense_round = round_;
+    ++round_;
+  }
+
+  void Fail(const char* err) {
+    if (error_.empty()) error_ = err;
+    call_.Fail(kBadInput, call_.rank());
+  }
+
+  // a + b, dense once the count reaches the threshold and `cap` can hold n (SparCML's switch).
+  Stream Add(const Stream& a, const Stream& b, int64_t cap, int64_t reg) {
+    int64_t n = a.n;
+    if (call_.failed()) return Empty(n, cap);
+    Stream out;
+    out.capacity = cap;
+    if (a.dense || b.dense) {
+      Writable w = Allocate(out, reg, n, 0, true);
+      const Stream& d = a.dense ? a : b;
+      const Stream& o = a.dense ? b : a;
+      if (o.dense) {
+        for (int64_t i = 0; i < n; ++i) w.val[i] = d.val[i] + o.val[i];
+      } else {
+        std::memcpy(w.val, d.val, n * sizeof(float));
+        for (int64_t j = 0; j < o.nnz; ++j) w.val[o.idx[j]] += o.val[j];
+      }
+      out.nnz = n;
+      return out;
+    }
+    if (b.nnz == 0 || a.nnz == 0) {
+      const Stream& only = a.nnz == 0 ? b : a;
+      out = only;
+      out.capacity = cap;
+      return Densified(out, reg);
+    }
+    int64_t bound = a.nnz + b.nnz, threshold = DenseThreshold(n, args_.delta);
+    bool may_dense = cap >= n && bound >= threshold;
+    int64_t room = may_dense ? n : std::min(bound, cap);
+    Writable w = Allocate(out, reg, n, room, false);
+    char err[SPARCML_ERRLEN] = {0};
+    int64_t count = 0;
+    if (sparcml_merge(a.idx, a.val, a.nnz, a.nnz, b.idx, b.val, b.nnz, b.nnz, n,
+                      may_dense ? threshold : std::numeric_limits<int64_t>::max(), w.idx, w.val, room, &count,
+                      err)) {
+      Fail(err);
+      return Empty(n, cap);
+    }
+    if (count > room) {
+      Fail("merge: the sum overflows its static capacity");
+      return Empty(n, cap);
+    }
+    out.nnz = count;
+    out.dense = may_dense && count == n;  // densified in place: the indices are 0..n-1
+    return out;
+  }
+
+  // A sparse stream that reached the threshold in a capacity that holds n: its dense form.
+  Stream Densified(const Stream& s, int64_t reg) {
+    if (s.dense || s.capacity < s.n || s.nnz < DenseThreshold(s.n, args_.delta)) return s;
+    Stream out;
+    out.capacity = s.capacity;
+    Writable w = Allocate(out, reg, s.n, 0, true);
+    std::memset(w.val, 0, s.n * sizeof(float));
+    for (int64_t j = 0; j < s.nnz; ++j) w.val[s.idx[j]] = s.val[j];
+    out.nnz = s.n;
+    return out;
+  }
+
+  // The stream that message m from `source` carries (over [0, n)), in register `reg`.
+  Stream Received(int source, const Call::Message& m, int64_t n, int64_t cap, int64_t reg) {
+    Stream s;
+    s.capacity = cap;
+    if (call_.failed() || m.h.count == 0) {
+      call_.Payload(source, m, nullptr, nullptr);
+      return Empty(n, cap);
+    }
+    Writable w = Allocate(s, reg, n, m.h.count, m.h.dense);
+    call_.Payload(source, m, w.idx, w.val);
+    s.nnz = m.h.dense ? n : m.h.count;
+    return s;
+  }
+
+  Header HeaderOf(const Stream& s) const { return call_.Make(s.dense ? s.n : s.nnz, s.dense); }
+
+  // Range [lo, hi) of s, re-based to lo, as it travels (pairs, or a dense slice when no larger).
+  Range RangeOf(const Stream& s, int64_t lo, int64_t hi) const {
+    Range r;
+    int64_t length = hi - lo;
+    if (call_.failed()) {
+      r.header = call_.Make(0, false);
+      return r;
+    }
+    if (s.dense) {
+      r.header = call_.Make(length, true);
+      r.val = s.val + lo;
+      return r;
+    }
+    int64_t begin = std::lower_bound(s.idx, s.idx + s.nnz, lo) - s.idx;
+    int64_t end = std::lower_bound(s.idx, s.idx + s.nnz, hi) - s.idx;
+    int64_t count = end - begin;
+    r.storage = std::make_shared<Buffers>();
+    if (length > 0 && count >= DenseThreshold(length, args_.delta)) {
+      r.storage->val.assign(length, 0.0f);
+      for (int64_t j = begin; j < end; ++j) r.storage->val[s.idx[j] - lo] = s.val[j];
+      r.header = call_.Make(length, true);
+      r.val = r.storage->val.data();
+      return r;
+    }
+    r.storage->idx.resize(count);
+    for (int64_t j = begin; j < end; ++j) r.storage->idx[j - begin] = s.idx[j] - static_cast<int32_t>(lo);
+    r.header = call_.Make(count, false);
+    r.idx = r.storage->idx.data();
+    r.val = s.val + begin;
+    return r;
+  }
+
+  Stream AsStream(const Range& r, int64_t length, int64_t cap) const {
+    Stream s;
+    s.n = length;
+    s.capacity = cap;
+    s.dense = r.header.dense;
+    s.nnz = r.header.count;
+    s.idx = r.idx;
+    s.val = r.val;
+    s.storage = r.storage;
+    return s;
+  }
+
+  // --- the operations (comm/native.py documents each).
+
+  void Exchange(int64_t dst, int64_t cap, int64_t send, int64_t into, int dest, int source, int64_t combine) {
+    Stream kept = Reg(into);
+    if (dest >= 0) {
+      const Stream& s = Reg(send);
+      call_.Send(dest, HeaderOf(s), s.idx, s.val);
+    }
+    Stream out = kept;
+    out.capacity = cap;
+    if (source >= 0) {
+      Call::Message m = call_.Receive(source);
+      if (combine == kReplace) {
+        out = Received(source, m, kept.n, cap, dst);
+      } else {
+        Stream got = Received(source, m, kept.n, m.h.count, -1);
+        out = Add(kept, got, cap, dst);
+      }
+    }
+    call_.WaitSends();
+    Reg(dst) = out;
+    AfterRound(dst, dest >= 0 || source >= 0);
+  }
+
+  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice) {
+    const Stream s = Reg(src);
+    int p = call_.nprocs(), me = call_.rank();
+    int64_t n = s.n, lo = PartStart(n, p, me), length = PartStart(n, p, me + 1) - lo;
+    std::vector<Range> ranges(p);
+    for (int i = 1; i < p; ++i) {  // a ring order: every rank starts with a different peer
+      int q = (me + i) % p;
+      ranges[q] = RangeOf(s, PartStart(n, p, q), PartStart(n, p, q + 1));
+      call_.Send(q, ranges[q].header, ranges[q].idx, ranges[q].val);
+    }
+    std::vector<Stream> segments(p);
+    segments[me] = AsStream(RangeOf(s, lo, lo + length), length, length);
+    for (int i = 1; i < p; ++i) {
+      int q = (me - i + p) % p;
+      Call::Message m = call_.Receive(q);
+      segments[q] = Received(q, m, length, m.h.count, -1);
+    }
+    call_.WaitSends();
+    call_.MarkAgreed();  // every rank heard from every rank
+    Stream out = Empty(length, cap);
+    if (!call_.failed() && dense_slice) {
+      Writable w = Allocate(out, dst, length, 0, true);
+      std::memset(w.val, 0, length * sizeof(float));
+      for (const Stream& g : segments) {  // in rank order
+        if (g.dense) {
+          for (int64_t i = 0; i < length; ++i) w.val[i] += g.val[i];
+        } else {
+          for (int64_t j = 0; j < g.nnz; ++j) w.val[g.idx[j]] += g.val[j];
+        }
+      }
+      out.nnz = length;
+    } else if (!call_.failed()) {
+      for (int r = 0; r < p; ++r) out = Add(out, segments[r], cap, r == p - 1 ? dst : -1);  // in rank order
+      out.capacity = cap;
+    }
+    Reg(dst) = out;
+    AfterRound(dst, true);
+  }
+
+  // Places part r (over [lo, lo + length)) of a concatenation into w: at `offset` as pairs, or
+  // into the dense values.
+  static void Place(const Stream& part, int64_t lo, bool to_dense, Writable w, int64_t offset) {
+    if (to_dense) {
+      if (part.dense) {
+        std::memcpy(w.val + lo, part.val, part.n * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < part.nnz; ++j) w.val[lo + part.idx[j]] = part.val[j];
+      }
+      return;
+    }
+    int64_t c = part.dense ? part.n : part.nnz;
+    for (int64_t j = 0; j < c; ++j) w.idx[offset + j] = static_cast<int32_t>(lo + (part.dense ? j : part.idx[j]));
+    if (c) std::memcpy(w.val + offset, part.val, c * sizeof(float));
+  }
+
+  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src) {
+    const Stream part = Reg(src);
+    int p = call_.nprocs(), me = call_.rank();
+    int64_t n = args_.n;
+    Range own = RangeOf(part, 0, part.n);  // pairs, or the dense slice when no larger
+    for (int i = 1; i < p; ++i) call_.Send((me + i) % p, own.header, own.idx, own.val);
+    std::vector<Call::Message> messages(p);
+    int64_t total = own.header.count;
+    for (int i = 1; i < p; ++i) {
+      int q = (me - i + p) % p;
+      messages[q] = call_.Receive(q);
+      total += messages[q].h.count;
+    }
+    call_.MarkAgreed();
+    Stream out = Empty(n, cap);
+    if (call_.failed()) {
+      for (int i = 1; i < p; ++i) call_.Payload((me - i + p) % p, messages[(me - i + p) % p], nullptr, nullptr);
+    } else {
+      bool to_dense = total >= DenseThreshold(n, args_.delta) && cap >= n;
+      Writable w = Allocate(out, dst, n, total, to_dense);
+      if (to_dense) std::memset(w.val, 0, n * sizeof(float));
+      int64_t offset = 0;
+      for (int r = 0; r < p; ++r) {
+        int64_t lo = PartStart(n, p, r), length = PartStart(n, p, r + 1) - lo;
+        Stream got = r == me ? AsStream(own, length, length) : Stream{};
+        if (r != me) {
+          const Call::Message& m = messages[r];
+          got.n = length;
+          got.dense = m.h.dense;
+          got.nnz = m.h.count;
+          if (!to_dense) {  // the payload lands in place; only the indices are re-based after
+            call_.Payload(r, m, w.idx + offset, w.val + offset);
+            if (m.h.dense) {
+              for (int64_t j = 0; j < m.h.count; ++j) w.idx[offset + j] = static_cast<int32_t>(lo + j);
+            } else {
+              for (int64_t j = 0; j < m.h.count; ++j) w.idx[offset + j] += static_cast<int32_t>(lo);
+            }
+            offset += m.h.count;
+            continue;
+          }
+          if (m.h.dense) {
+            call_.Payload(r, m, nullptr, w.val + lo);
+            continue;
+          }
+          got = Received(r, m, length, m.h.count, -1);
+        }
+        Place(got, lo, to_dense, w, offset);
+        offset += got.dense ? got.n : got.nnz;
+      }
+      out.nnz = to_dense ? n : total;
+    }
+    call_.WaitSends();
+    Reg(dst) = out;
+    AfterRound(dst, true);
+  }
+
+  // The dense allgather phase of DSAR: every rank's dense slice lands in place in the result
+  // (MPI_Allgather, or MPI_Allgatherv when N % P != 0), optionally as QSGD codes (SparCML §6).
+  void AllgatherDense(int64_t dst, int64_t src, int bits, int64_t bucket, int scale_kind) {
+    const Stream part = Reg(src);
+    int p = call_.nprocs(), me = call_.rank();
+    int64_t n = args_.n;
+    if (!call_.agreed()) call_.Agree(part.nnz);
+    Stream out = Empty(n, n);
+    if (!call_.failed()) {
+      std::vector<int> counts(p), displs(p);
+      int slot = 0;
+      for (int r = 0; r < p; ++r) {
+        displs[r] = static_cast<int>(PartStart(n, p, r));
+        counts[r] = static_cast<int>(PartStart(n, p, r + 1)) - displs[r];
+        slot = std::max(slot, counts[r]);
+      }
+      Writable w = Allocate(out, dst, n, 0, true);
+      if (!part.dense) std::memset(w.val + displs[me], 0, counts[me] * sizeof(float));
+      Place(part, displs[me], true, w, 0);
+      if (bits) {
+        QuantizedAllgather(w.val, counts, displs, slot, bits, bucket, scale_kind);
+      } else {
+        MPI_Request request;
+        if (std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; })) {
+          // MPICH's MPI_Allgather is about twice as fast as its MPI_Allgatherv here.
+          MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, w.val, counts[0], MPI_FLOAT, call_.comm(), &request);
+        } else {
+          MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, w.val, counts.data(), displs.data(), MPI_FLOAT, call_.comm(),
+                          &request);
+        }
+        call_.Await(&request, 1);
+        call_.CountSent(4.0 * slot * (p - 1));  // equal slots of the largest range, as the mpi4jax transport sends
+      }
+      out.nnz = n;
+    }
+    Reg(dst) = out;
+    AfterRound(dst, true);
+  }
+
+  // Every rank QSGD-codes its slice (zero-padded to the slot), the codes travel, and every rank
+  // decodes the same bytes, so all ranks hold identical results.
+  void QuantizedAllgather(float* values, const std::vector<int>& counts, const std::vector<int>& displs, int slot,
+                          int bits, int64_t bucket, int scale_kind) {
+    int p = call_.nprocs(), me = call_.rank();
+    int64_t nbytes = sparcml_qsgd_packed_bytes(slot, bits), nscales = sparcml_qsgd_num_buckets(slot, bucket);
+    Scratch<float> padded(std::max(slot, 1));
+    std::fill(padded.begin(), padded.end(), 0.0f);
+    std::copy(values + displs[me], values + displs[me] + counts[me], padded.begin());
+    Scratch<uint8_t> packed(std::max<int64_t>(nbytes * p, 1));
+    Scratch<float> scales(std::max<int64_t>(nscales * p, 1));
+    char err[SPARCML_ERRLEN] = {0};
+    if (slot > 0 && sparcml_qsgd_quantize(padded.data(), slot, bits, bucket, scale_kind, args_.key[0], args_.key[1],
+                                          packed.data() + nbytes * me, scales.data() + nscales * me, err)) {
+      Fail(err);
+    }
+    MPI_Request requests[2];
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, packed.data(), static_cast<int>(nbytes), MPI_BYTE, call_.comm(),
+                   &requests[0]);
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, scales.data(), static_cast<int>(nscales), MPI_FLOAT, call_.comm(),
+                   &requests[1]);
+    call_.Await(requests, 2);
+    for (int r = 0; r < p; ++r)
+      if (counts[r] > 0)
+        sparcml_qsgd_dequantize(packed.data() + nbytes * r, scales.data() + nscales * r, counts[r], bits, bucket,
+                                values + displs[r], err);
+    call_.CountSent(static_cast<double>(nbytes + 4 * nscales) * (p - 1));
+  }
+
+  void Allreduce(int64_t dst, int64_t src) {
+    const Stream s = Reg(src);
+    int p = call_.nprocs();
+    int64_t n = s.n;
+    if (!call_.agreed()) call_.Agree(s.nnz);  // a collective MPI call: no rank may enter it with other sizes
+    Stream out = Empty(n, n);
+    if (!call_.failed()) {
+      Writable w = Allocate(out, dst, n, 0, true);
+      if (s.dense) {
+        if (w.val != s.val) std::memcpy(w.val, s.val, n * sizeof(float));
+      } else {
+        std::memset(w.val, 0, n * sizeof(float));
+        for (int64_t j = 0; j < s.nnz; ++j) w.val[s.idx[j]] = s.val[j];
+      }
+      if (p > 1) {
+        MPI_Request request;
+        MPI_Iallreduce(MPI_IN_PLACE, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM, call_.comm(), &request);
+        call_.Await(&request, 1);
+      }
+      // The volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.
+      call_.CountSent(2.0 * (p - 1) / p * 4 * n);
+      out.nnz = n;
+    }
+    Reg(dst) = out;
+    AfterRound(dst, true);
+  }
+
+  void Split(int64_t first, const Stream s, int64_t cap) {
+    int p = call_.nprocs();
+    for (int r = 0; r < p; ++r) {
+      int64_t lo = PartStart(s.n, p, r), hi = PartStart(s.n, p, r + 1), length = hi - lo;
+      int64_t segment_cap = std::min(cap, length);
+      Stream seg = Empty(length, segment_cap);
+      if (!call_.failed()) {
+        Range range = RangeOf(s, lo, hi);
+        seg = AsStream(range, length, segment_cap);
+        // The segment may view the source's values: it keeps the source's storage too.
+        seg.storage = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(seg.storage, s.storage);
+      }
+      Reg(first + r) = seg;
+    }
+  }
+
+  void Concat(int64_t dst, int64_t cap, int64_t first) {
+    int p = call_.nprocs();
+    int64_t n = args_.n, total = 0;
+    for (int r = 0; r < p; ++r) total += Reg(first + r).dense ? Reg(first + r).n : Reg(first + r).nnz;
+    Stream out = Empty(n, cap);
+    if (!call_.failed()) {
+      bool to_dense = total >= DenseThreshold(n, args_.delta) && cap >= n;
+      Writable w = Allocate(out, dst, n, total, to_dense);
+      if (to_dense) std::memset(w.val, 0, n * sizeof(float));
+      int64_t offset = 0;
+      for (int r = 0; r < p; ++r) {
+        const Stream& seg = Reg(first + r);
+        Place(seg, PartStart(n, p, r), to_dense, w, offset);
+        offset += seg.dense ? seg.n : seg.nnz;
+      }
+      out.nnz = to_dense ? n : total;
+    }
+    Reg(dst) = out;
+  }
+
+  void Gather(int64_t dst, int64_t cap, int64_t src) {
+    const Stream s = Reg(src);
+    int p = call_.nprocs(), me = call_.rank();
+    for (int i = 1; i < p; ++i) call_.Send((me + i) % p, HeaderOf(s), s.idx, s.val);
+    std::vector<Stream> streams(p);
+    streams[me] = s;
+    for (int i = 1; i < p; ++i) {
+      int q = (me - i + p) % p;
+      Call::Message m = call_.Receive(q);
+      streams[q] = Received(q, m, s.n, m.h.count, -1);
+    }
+    call_.WaitSends();
+    call_.MarkAgreed();
+    Stream out = streams[0];
+    for (int r = 1; r < p; ++r) out = Add(out, streams[r], cap, r == p - 1 ? dst : -1);
+    out.capacity = cap;
+    if (call_.failed()) out = Empty(s.n, cap);
+    Reg(dst) = out;
+    AfterRound(dst, true);
+  }
+
+  const ProgramArgs& args_;
+  Call& call_;
+  Output output_;
+  std::vector<Stream> regs_;
+  int round_ = 0;
+
+ public:
+  std::string error_;
+};
+
+}  // namespace
+
+void StoreStream(const Stream& s, int32_t* idx, float* val, int64_t capacity) {
+  int64_t count = s.dense ? s.n : s.nnz;
+  if (s.dense) {
+    if (val != s.val) std::memcpy(val, s.val, s.n * sizeof(float));
+    if (idx != s.idx)  // (a stream densified in place already holds its indices)
+      for (int64_t i = 0; i < s.n; ++i) idx[i] = static_cast<int32_t>(i);
+  } else if (count > 0) {
+    if (idx != s.idx) std::memmove(idx, s.idx, count * sizeof(int32_t));
+    if (val != s.val) std::memmove(val, s.val, count * sizeof(float));
+  }
+  sparcml_pad_tail(idx, val, count, capacity, s.n);
+}
+
+ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::string& input_error, Output output) {
+  Call call(args.channel, args.tag, args.signature, args.background);
+  ProgramResult result;
+  if (!input_error.empty()) {
+    call.Fail(kBadInput, call.rank());
+    input = Stream{};
+    input.n = args.n;
+  }
+  if (!args.rejected.empty()) call.Fail(kRejected, call.rank());
+  Interpreter run(args, call, output);
+  run.algorithm = args.algorithm;
+  run.Reg(0) = input;
+  try {
+    run.Run(args.code.data(), static_cast<int64_t>(args.code.size()) / kWords);
+    call.WaitSends();
+  } catch (const Aborted&) {
+    call.Abort();
+  } catch (const std::exception& e) {  // a malformed program: a bug, reported on this rank
+    call.WaitSends();
+    result.error = std::string("internal error: ") + e.what();
+    return result;
+  }
+  result.algorithm = run.algorithm;
+  result.dense_round = run.dense_round;
+  result.sent = call.sent();
+  result.nnz_max = call.nnz_max();
+  if (call.aborted()) {
+    result.error = call.Diagnose();
+  } else if (call.failed()) {
+    int me = call.rank();
+    if (call.flags() & kBadInput) {
+      result.error = call.bad_rank() == me ? (input_error.empty() ? run.error_ : input_error)
+                                           : "invalid input stream on rank " + std::to_string(call.bad_rank()) +
+                                                 " (another rank; see its error)";
+    } else {
+      result.error = "another rank rejected its arguments (see its error)";
+    }
+  } else if (args.result_register >= 0) {
+    result.stream = run.Reg(args.result_register);
+    int64_t count = result.stream.dense ? result.stream.n : result.stream.nnz;
+    if (output.val && count > output.capacity) {
+      result.error = "internal error: a result of " + std::to_string(count) + " entries exceeds its capacity " +
+                     std::to_string(output.capacity);
+    }
+  }
+  return result;
+}
+
+}  // namespace sparcml

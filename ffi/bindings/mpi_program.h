@@ -1,0 +1,80 @@
+// The native transport runs an algorithm's schedule as one program: sparcml_jax/comm/native.py
+// records the transport operations that the algorithm's single definition makes (exchanges,
+// reduce-scatters, allgathers, ...) as fixed-width instructions over stream registers, and this
+// interpreter executes them for this rank. The blocking path runs it on the calling thread; the
+// progress engine runs the same program on its own thread between start and wait.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mpi_wire.h"
+
+namespace sparcml {
+
+// Instruction words: {op, dst, capacity, a, b, c, d, e}; keep in step with comm/native.py.
+enum Op : int64_t {
+  kExchange = 1,       // a: send register, b: into register, c: dest, d: source, e: combine (1 add, 2 replace)
+  kReduceScatter = 2,  // a: source register, b: dense slice result
+  kAllgather = 3,      // a: part register, b: mode (0 pairs, 1 dense, 2 QSGD), c: bits, d: bucket, e: scale kind
+  kAllreduce = 4,      // a: source register
+  kSplit = 5,          // dst: first of nprocs registers, a: source register
+  kConcat = 6,         // a: first of nprocs registers
+  kGather = 7,         // a: source register (every rank's whole stream, summed)
+  kAgree = 8,          // every rank learns every rank's flags and counts
+  kChoose = 9,         // a: choices; then one row {bound, algorithm, instructions} per choice, then the branches
+  kMove = 10,          // a: source register (a new name, a new capacity, the same data)
+  kFree = 11,          // a: register
+};
+constexpr int kWords = 8;
+enum Combine : int64_t { kAdd = 1, kReplace = 2 };
+enum GatherMode : int64_t { kPairs = 0, kDenseSlices = 1, kQuantized = 2 };
+
+// A stream register: sorted pairs over [0, n), or a dense array of n values (no indices).
+struct Stream {
+  int64_t n = 0, nnz = 0, capacity = 0;
+  bool dense = false;
+  const int32_t* idx = nullptr;
+  const float* val = nullptr;
+  std::shared_ptr<void> storage;  // keeps idx and val alive (none: a view of the caller's buffers)
+};
+
+// Where the result goes: the caller's output buffers (blocking path), or nowhere (the engine keeps it).
+struct Output {
+  int32_t* idx = nullptr;
+  float* val = nullptr;
+  int64_t capacity = 0;
+};
+
+struct ProgramResult {
+  Stream stream;          // the result (in `Output` when given)
+  int32_t algorithm = -1;
+  int32_t dense_round = -1;
+  double sent = 0;
+  int64_t nnz_max = 0;    // the largest input count over ranks, when the program agreed on it
+  std::string error;      // empty on success; identical in kind on every rank
+};
+
+struct ProgramArgs {
+  MPI_Comm channel;
+  int tag;
+  bool background;
+  Signature signature;
+  std::vector<int64_t> code;
+  int64_t result_register = 0;  // -1: the program has no result (an agreement)
+  int32_t algorithm = -1;  // reported unless a kChoose picks one
+  int64_t n = 0;
+  double delta = 1.0;
+  uint32_t key[2] = {0, 0};  // QSGD's key words (this rank's)
+  std::string rejected;      // this rank rejected its arguments (the rank's Python error follows)
+};
+
+// Runs the program on `input` (validated first; an invalid stream fails the call on every rank).
+ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::string& input_error, Output output);
+
+// Writes a result stream into caller buffers of `capacity` (pairs, or indices 0..n-1 and the values).
+void StoreStream(const Stream& s, int32_t* idx, float* val, int64_t capacity);
+
+}  // namespace sparcml

@@ -1,0 +1,119 @@
+"""Keeping ranks in step: the arguments every collective checks, the static signature that ranks
+compare, the one path that makes a rank's argument error raise on every rank, and recovery.
+
+Ranks compare signatures inside the collective's own messages (``comm/native.py``), never at
+trace time: a rank whose program is cached does not trace, so a trace-time collective would leave
+it and its peers in different calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, NoReturn
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+from sparcml_jax.collectives._plan import ALGORITHMS, QUANTIZE_BITS, QUANTIZE_SCALES, Plan, Quantization
+from sparcml_jax.comm import check_transport, native
+from sparcml_jax.comm._compat import clear_runtime_tokens
+from sparcml_jax.kernels._common import check_stream
+from sparcml_jax.stream import SparseStream, dense_threshold
+
+
+def check_allreduce(comm: MPI.Comm, stream: Any, *, algorithm: str, transport: str, delta: float,
+                    quantize_bits: int | None, key: Any, bucket_size: int, quantize_scale: str) -> Plan:
+    """The plan of a valid call; raises TypeError or ValueError naming the argument otherwise."""
+    check_stream(stream, "stream")
+    check_transport(transport)
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+    dense_threshold(1, delta)  # raises for a delta that is not positive
+    quantize = None
+    if quantize_bits is not None:
+        if quantize_bits not in QUANTIZE_BITS:
+            raise ValueError(f"quantize_bits must be one of {QUANTIZE_BITS} or None, got {quantize_bits!r}")
+        if algorithm not in ("auto", "dsar_split_allgather"):
+            raise ValueError(f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), "
+                             f"not {algorithm!r}")
+        if key is None:
+            raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer)) or bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive int (values per QSGD scale), got {bucket_size!r}")
+        if quantize_scale not in QUANTIZE_SCALES:
+            raise ValueError(f"quantize_scale must be one of {QUANTIZE_SCALES}, got {quantize_scale!r}")
+        quantize = Quantization(int(quantize_bits), int(bucket_size), quantize_scale)
+    return Plan(comm, transport, float(delta), quantize)
+
+
+def model_digest(model: Any) -> int | None:
+    """A cost model as one signature field: ranks must choose with the same numbers."""
+    if model is None:
+        return None
+    packed = np.asarray(dataclasses.astuple(model), np.float64).tobytes()
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little", signed=True)
+
+
+def allreduce_signature(plan: Plan, algorithm: str, size: int, capacity: int, model: Any) -> native.Signature:
+    q = plan.quantize
+    return native.Signature.of(
+        "allreduce", size=size, capacity=capacity, algorithm=(*ALGORITHMS, "auto").index(algorithm),
+        transport=plan.transport, delta=plan.delta, quantize_bits=q and q.bits, bucket_size=q and q.bucket_size,
+        quantize_scale=q and q.scale, cost_model=model_digest(model))
+
+
+def _empty() -> SparseStream:
+    return SparseStream(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32), jnp.int32(0), 0)
+
+
+def reject_everywhere(comm: MPI.Comm, error: BaseException, *, engine: bool = False) -> NoReturn:
+    """Makes this rank's peers raise too, then re-raises ``error`` here.
+
+    The peers are in (or about to enter) the same collective: on the calling thread, or on the
+    progress engine for ``engine``. This rank joins it with a call flagged as rejected, whose
+    signature differs from theirs, so their call fails instead of waiting for this rank.
+    """
+    rejected = native.Signature.of(None)
+    try:
+        if engine:
+            program = native.Program((native.AGREE, 0, 0, 0, 0, 0, 0, 0), -1, 0, 0)
+            job = native.start(program, _empty(), comm=comm, signature=rejected, delta=1.0, rejected=True)
+            jax.block_until_ready(native.wait(job, size=0, capacity=0)[0].nnz)
+        else:
+            jax.block_until_ready(jax.jit(lambda s: native.agree(s, comm=comm, signature=rejected, rejected=True))(
+                _empty()))
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - the peers' mismatch is expected; ours is the error to raise
+        reset_after_error()
+    raise error
+
+
+def reset_after_error() -> None:
+    """Clears JAX's ordered-effect token after a collective raised.
+
+    JAX threads one runtime token through every program with an ordered effect (all MPI calls,
+    ours and mpi4jax's). When a program fails while XLA runs it asynchronously, the token keeps
+    the error and every later MPI program on that rank re-raises it without communicating. All
+    ranks raise together, so all call this (after catching the error) and continue in step.
+    """
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - the error being recovered from
+        pass
+    clear_runtime_tokens()
+
+
+def call_and_recover(fn, *args):
+    """Runs a compiled collective; called eagerly, it also waits, so that an error surfaces here
+    (on every rank together) and JAX's ordered-effect token is reset before it propagates."""
+    try:
+        out = fn(*args)
+        if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+            jax.block_until_ready(out)
+        return out
+    except Exception:
+        reset_after_error()
+        raise

@@ -1,0 +1,29 @@
+"""Every use of JAX's and mpi4jax's private modules, in one place: they may move between releases.
+
+- ``abstract_token``: the abstract value of an XLA token (``jax.ffi.abstract_token`` from JAX 0.11).
+- ``apply_primitive``: the eager implementation of a primitive.
+- ``ordered_effect``: mpi4jax's ordered effect. Our MPI ops join the SAME effect object, because
+  two chains order each call only against its own kind and deadlock when mixed (see design.md).
+- ``default_comm``: mpi4jax's default communicator (a clone of COMM_WORLD).
+- the runtime tokens of ordered effects, which keep a failed program's error until cleared.
+"""
+
+from __future__ import annotations
+
+from jax._src.core import abstract_token
+from jax._src.dispatch import apply_primitive, runtime_tokens
+from mpi4jax._src.utils import get_default_comm as default_comm
+from mpi4jax._src.utils import ordered_effect
+
+__all__ = ["abstract_token", "apply_primitive", "clear_runtime_tokens", "default_comm", "ordered_effect",
+           "runtime_token_values"]
+
+
+def clear_runtime_tokens() -> None:
+    """Forgets JAX's runtime tokens of ordered effects (and any error they hold)."""
+    runtime_tokens.clear()
+
+
+def runtime_token_values() -> list:
+    """The runtime tokens JAX holds now (a failed program's token raises when blocked on)."""
+    return list(runtime_tokens.current_tokens.values()) + list(runtime_tokens.output_runtime_tokens.values())

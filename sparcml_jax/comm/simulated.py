@@ -1,0 +1,238 @@
+"""A transport that runs every rank of an algorithm at once, in one process, in numpy.
+
+It follows the native transport's rules (a stream is dense once its count reaches SparCML's
+threshold in a capacity that holds it; a range travels as its dense slice once that is no
+larger than its pairs) and counts the bytes each rank sends as the ``native`` or the
+``mpi4jax`` transport sends them. It checks an algorithm's definition without MPI, and it is
+where the wire volumes that the real transports report come from in the tests: the same
+definition, interpreted a third way. QSGD is not simulated: a quantized allgather sums exactly
+and counts the codes' bytes.
+
+Example:
+  >>> import numpy as np
+  >>> from sparcml_jax.comm.simulated import Simulated, SimStream
+  >>> from sparcml_jax.collectives.ssar_recursive_doubling import ssar_recursive_doubling
+  >>> t = Simulated(nprocs=3, size=8)
+  >>> ranks = [SimStream.pairs(8, 4, [r, 7], [1.0, 1.0]) for r in range(3)]
+  >>> out = ssar_recursive_doubling(t, ranks)
+  >>> out[0].to_dense().tolist(), t.sent
+  ([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0], [56.0, 16.0, 16.0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from sparcml_jax.comm import Combine, Quantize
+from sparcml_jax.comm.topology import (check_pairs, concatenated_capacity, exchange_capacity, gathered_capacity,
+                                       grown_capacity, largest_part_capacity, longest_part, part_bounds,
+                                       part_capacity, segment_capacities, segment_slot)
+from sparcml_jax.stream import dense_threshold
+
+
+@dataclasses.dataclass
+class SimStream:
+    """One rank's stream over ``n`` entries in ``capacity`` slots: sorted pairs, or (``idx``
+    None) the dense values."""
+
+    n: int
+    capacity: int
+    idx: np.ndarray | None
+    val: np.ndarray
+    source_capacity: int = -1
+
+    @classmethod
+    def pairs(cls, n: int, capacity: int, idx, val) -> "SimStream":
+        return cls(n, capacity, np.asarray(idx, np.int64), np.asarray(val, np.float32))
+
+    @property
+    def dense(self) -> bool:
+        return self.idx is None
+
+    @property
+    def count(self) -> int:
+        """Entries as they travel: the pairs, or n for the dense values."""
+        return self.n if self.dense else len(self.idx)
+
+    def to_dense(self) -> np.ndarray:
+        if self.dense:
+            return self.val.copy()
+        out = np.zeros(self.n, np.float32)
+        out[self.idx] = self.val
+        return out
+
+    def range(self, lo: int, hi: int) -> "SimStream":
+        """Entries [lo, hi) re-based to lo: the dense slice when the source is dense."""
+        if self.dense:
+            return SimStream(hi - lo, hi - lo, None, self.val[lo:hi].copy())
+        keep = (self.idx >= lo) & (self.idx < hi)
+        return SimStream(hi - lo, hi - lo, self.idx[keep] - lo, self.val[keep])
+
+
+Ranks = list  # one SimStream per rank
+
+
+class Simulated:
+    """Every rank's side of every operation; ``sent[r]`` counts rank r's bytes as ``wire`` sends them.
+
+    Attributes:
+      nprocs, size, delta: as for a real transport.
+      wire: ``"native"`` (payloads: 8 bytes per pair or 4 per dense entry) or ``"mpi4jax"``
+        (whole static buffers with their 8-byte headers).
+    """
+
+    name = "simulated"
+    variable_length = True
+    nonblocking = False
+
+    def __init__(self, nprocs: int, size: int, delta: float = 1.0, wire: str = "native"):
+        self.nprocs, self.size, self.delta, self.wire = nprocs, size, delta, wire
+        self.sent = [0.0] * nprocs
+
+    # --------------------------------------------------------------------------- rules
+
+    def _threshold(self, n: int) -> int:
+        return dense_threshold(n, self.delta)
+
+    def _settle(self, s: SimStream) -> SimStream:
+        """SparCML's switch on the actual count, where the capacity holds the dense vector."""
+        if not s.dense and s.n > 0 and s.capacity >= s.n and len(s.idx) >= self._threshold(s.n):
+            return SimStream(s.n, s.capacity, None, s.to_dense(), s.source_capacity)
+        return s
+
+    def _add(self, a: SimStream, b: SimStream, capacity: int) -> SimStream:
+        if a.dense or b.dense:
+            return SimStream(a.n, capacity, None, a.to_dense() + b.to_dense())
+        idx = np.union1d(a.idx, b.idx)
+        total = np.zeros(a.n, np.float32)
+        np.add.at(total, a.idx, a.val)
+        np.add.at(total, b.idx, b.val)
+        return self._settle(SimStream(a.n, capacity, idx, total[idx]))
+
+    def _travelling(self, s: SimStream) -> SimStream:
+        """A range as it travels: its dense slice once that is no larger than its pairs."""
+        if not s.dense and s.n > 0 and len(s.idx) >= self._threshold(s.n):
+            return SimStream(s.n, s.capacity, None, s.to_dense())
+        return s
+
+    def _message(self, s: SimStream) -> float:
+        """Bytes of one stream's message (mpi4jax: its whole static buffer)."""
+        if self.wire == "native":
+            return 4.0 * s.n if s.dense else 8.0 * len(s.idx)
+        compact = s.capacity >= s.n and self._threshold(s.n) - 1 <= s.n // 2
+        return 4.0 * (2 + s.n) if compact else 8.0 + 8.0 * s.capacity
+
+    def _concat(self, parts: Sequence[SimStream], capacity: int) -> SimStream:
+        n, p = self.size, self.nprocs
+        total = sum(part.count for part in parts)
+        values = np.zeros(n, np.float32)
+        idx = []
+        for r, part in enumerate(parts):
+            lo = part_bounds(n, p, r)[0]
+            values[lo:lo + part.n] = part.to_dense()
+            idx.append(lo + (np.arange(part.n) if part.dense else part.idx))
+        if total >= self._threshold(n) and capacity >= n:
+            return SimStream(n, capacity, None, values)
+        idx = np.concatenate(idx) if idx else np.zeros(0, np.int64)
+        return SimStream(n, capacity, idx, values[idx])  # a dense part keeps its zeros as pairs
+
+    # --------------------------------------------------------------------------- operations
+
+    def exchange(self, s: Ranks, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Ranks:
+        check_pairs(pairs, self.nprocs)
+        capacity = exchange_capacity(s[0].capacity, s[0].n, combine, self.delta)
+        out = [dataclasses.replace(x, capacity=capacity) for x in s]
+        for source, dest in pairs:
+            self.sent[source] += self._message(s[source])
+            got = s[source]
+            out[dest] = (self._add(s[dest], got, capacity) if combine == "add"
+                         else dataclasses.replace(got, capacity=capacity))
+        return out
+
+    def ring_pass(self, segments: list[Ranks], *, send: int, into: int, combine: Combine) -> list[Ranks]:
+        p = self.nprocs
+        out = [list(seg) for seg in segments]
+        for r in range(p):
+            sent = segments[(r + send) % p][r]
+            self.sent[r] += self._message(sent)
+            dest, j = (r + 1) % p, (r + send) % p
+            kept = segments[j][dest]
+            out[j][dest] = (self._add(kept, sent, kept.capacity) if combine == "add"
+                            else dataclasses.replace(sent, capacity=kept.capacity))
+        return out
+
+    def reduce_scatter(self, s: Ranks, *, dense: bool = False) -> Ranks:
+        n, p = self.size, self.nprocs
+        capacity = s[0].capacity
+        parts = []
+        for r in range(p):
+            lo, hi = part_bounds(n, p, r)
+            segments = [self._travelling(s[q].range(lo, hi)) for q in range(p)]
+            for q in range(p):
+                if q != r:
+                    self.sent[q] += (self._message(segments[q]) if self.wire == "native"
+                                     else 8.0 + 8.0 * segment_slot(capacity, n, p))
+            if dense:
+                parts.append(SimStream(hi - lo, hi - lo, None, sum(g.to_dense() for g in segments),
+                                       source_capacity=capacity))
+                continue
+            cap = part_capacity(capacity, n, p, r, self.delta)
+            acc = SimStream(hi - lo, cap, np.zeros(0, np.int64), np.zeros(0, np.float32))
+            for g in segments:
+                acc = self._add(acc, g, cap)
+            acc.source_capacity = capacity
+            parts.append(acc)
+        return parts
+
+    def allgather(self, part: Ranks, *, dense: bool = False, quantize: Quantize | None = None) -> Ranks:
+        n, p = self.size, self.nprocs
+        if dense or quantize is not None:
+            slot = longest_part(n, p)
+            if quantize is None:
+                per_rank = 4.0 * slot
+            else:
+                per_rank = math.ceil(slot * quantize.bits / 8) + 4 * math.ceil(slot / quantize.bucket_size)
+            whole = SimStream(n, n, None, np.concatenate([x.to_dense() for x in part]))
+            self.sent = [sent + (p - 1) * per_rank for sent in self.sent]
+            return [dataclasses.replace(whole, val=whole.val.copy()) for _ in range(p)]
+        source = part[0].source_capacity
+        travelling = [self._travelling(x) for x in part]
+        slot = largest_part_capacity(source, n, p, self.delta)
+        for r in range(p):
+            self.sent[r] += (p - 1) * (self._message(travelling[r]) if self.wire == "native" else 8.0 + 8.0 * slot)
+        whole = self._concat(travelling, gathered_capacity(source, n, p, self.delta))
+        return [dataclasses.replace(whole) for _ in range(p)]
+
+    def allreduce(self, s: Ranks) -> Ranks:
+        n, p = self.size, self.nprocs
+        self.sent = [sent + 2 * (p - 1) / p * 4 * n for sent in self.sent]
+        total = sum(x.to_dense() for x in s)
+        return [SimStream(n, n, None, total.copy()) for _ in range(p)]
+
+    def gather(self, s: Ranks) -> Ranks:
+        p = self.nprocs
+        for r in range(p):
+            self.sent[r] += (p - 1) * (self._message(s[r]) if self.wire == "native" else 8.0 + 8.0 * s[r].capacity)
+        capacity = grown_capacity(s[0].capacity, s[0].n, p, self.delta)
+        total = dataclasses.replace(s[0], capacity=capacity)
+        for x in s[1:]:
+            total = self._add(total, x, capacity)
+        return [dataclasses.replace(total) for _ in range(p)]
+
+    def split(self, s: Ranks, *, fan_in: int = 1) -> list[Ranks]:
+        n, p = self.size, self.nprocs
+        capacities = segment_capacities(s[0].capacity, n, p, fan_in, self.delta)
+        segments = []
+        for j in range(p):
+            lo, hi = part_bounds(n, p, j)
+            segments.append([dataclasses.replace(self._travelling(x.range(lo, hi)), capacity=capacities[j])
+                             for x in s])
+        return segments
+
+    def concat(self, segments: list[Ranks]) -> Ranks:
+        capacity = concatenated_capacity([seg[0].capacity for seg in segments], self.size, self.delta)
+        return [self._concat([seg[r] for seg in segments], capacity) for r in range(self.nprocs)]
