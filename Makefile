@@ -38,8 +38,8 @@ KEEP_HEAP := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD
 
 # With more ranks than cores, waiting ranks spin in sched_yield while a rank with work waits out
 # whole scheduler slices (1.4 ms by default): whole cells of the P = 4 sweep ran 2-4 slices slow.
-# The bench then sets a 100 us slice on every thread of its ranks (Linux 6.12+, BENCHMARKS.md).
-SHORT_SLICE := SPARCML_JAX_SCHED_SLICE_US=100
+# The bench's ranks run with a 100 us slice (Linux 6.12+, tools/short_slice.py, BENCHMARKS.md).
+SHORT_SLICE := $(PY) tools/short_slice.py 100
 
 # The main job: the URL-like logistic regression, sparse beside dense, on $(NP) ranks.
 demo: build
@@ -47,10 +47,12 @@ demo: build
 
 bench: build
 	JAX_PLATFORMS=cpu $(KEEP_HEAP) $(PY) -m sparcml_jax.bench kernels --json benchmarks/kernels.json
-	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(KEEP_HEAP) $(SHORT_SLICE) $(VENV)/bin/mpirun -n $$p $(PY) -m sparcml_jax.bench \
+	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(KEEP_HEAP) $(VENV)/bin/mpirun -n $$p $(SHORT_SLICE) $(PY) -m sparcml_jax.bench \
 	  allreduce --sweep full --reps 5 --json benchmarks/full_P$$p.json || exit 1; done
-	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(KEEP_HEAP) $(SHORT_SLICE) $(VENV)/bin/mpirun -n $$p $(PY) -m sparcml_jax.bench \
+	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(KEEP_HEAP) $(VENV)/bin/mpirun -n $$p $(SHORT_SLICE) $(PY) -m sparcml_jax.bench \
 	  allreduce --sweep issue --reps 7 --calls-per-sample 10 --json benchmarks/in_program_P$$p.json || exit 1; done
+	for p in 2 4; do JAX_PLATFORMS=cpu $(OVERSUBSCRIBED) $(KEEP_HEAP) $(VENV)/bin/mpirun -n $$p $(SHORT_SLICE) $(PY) -m sparcml_jax.bench \
+	  latency --json benchmarks/latency_P$$p.json || exit 1; done
 	$(PY) -m sparcml_jax.bench report benchmarks/full_P2.json benchmarks/full_P4.json benchmarks/in_program_P2.json \
 	  benchmarks/in_program_P4.json $(wildcard benchmarks/emulated_*.json) --out benchmarks
 

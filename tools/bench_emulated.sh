@@ -16,8 +16,8 @@ before=$("$HERE/nscluster.sh" bytes)
 "$HERE/nscluster.sh" run -n "$P" -genv JAX_PLATFORMS cpu -genv MALLOC_MMAP_MAX_ 0 \
   -genv MALLOC_TRIM_THRESHOLD_ 4294967296 -genv MALLOC_TOP_PAD_ 67108864 \
   -genv MPIR_CVAR_POLLS_BEFORE_YIELD 1 -genv MPIR_CVAR_CH4_PROGRESS_THROTTLE 1 \
-  -genv MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT 1 -genv SPARCML_JAX_SCHED_SLICE_US 100 \
-  -- "$VENV/bin/python" -m sparcml_jax.bench allreduce \
+  -genv MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT 1 \
+  -- "$VENV/bin/python" "$HERE/short_slice.py" 100 "$VENV/bin/python" -m sparcml_jax.bench allreduce \
   --network "$RATE" --json "$OUT" "$@"
 sent=$(( $("$HERE/nscluster.sh" bytes) - before ))
 "$VENV/bin/python" - "$OUT" "$sent" "$P" <<'PY'

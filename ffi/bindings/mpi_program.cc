@@ -40,7 +40,7 @@ class Interpreter {
         pc += Choose(w, code + (pc + 1) * kWords);
         continue;
       }
-      Execute(w);
+      Execute(w, pc + 1 < count ? w + kWords : nullptr);
     }
   }
 
@@ -70,11 +70,18 @@ class Interpreter {
     return skip;
   }
 
-  void Execute(const int64_t* w) {
+  void Execute(const int64_t* w, const int64_t* next) {
     int64_t dst = w[1], cap = w[2];
     switch (w[0]) {
       case kExchange: Exchange(dst, cap, w[3], w[4], static_cast<int>(w[5]), static_cast<int>(w[6]), w[7]); break;
-      case kReduceScatter: ReduceScatter(dst, cap, w[3], w[4] != 0); break;
+      case kReduceScatter: {
+        // DSAR: when the next step gathers this rank's dense slice into the result, the slice is
+        // summed in its place there (the allgather then sends it from where it lies).
+        bool in_place = next && next[0] == kAllgather && next[3] == dst && next[4] != kPairs &&
+                        next[1] == args_.result_register;
+        ReduceScatter(dst, cap, w[3], w[4] != 0, in_place);
+        break;
+      }
       case kAllgather:
         if (w[4] == kPairs) {
           AllgatherPairs(dst, cap, w[3]);
@@ -283,7 +290,7 @@ class Interpreter {
     AfterRound(dst, dest >= 0 || source >= 0);
   }
 
-  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice) {
+  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice, bool in_result) {
     const Stream s = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = s.n, lo = PartStart(n, p, me), length = PartStart(n, p, me + 1) - lo;
@@ -304,7 +311,13 @@ class Interpreter {
     call_.MarkAgreed();  // every rank heard from every rank
     Stream out = Empty(length, cap);
     if (!call_.failed() && dense_slice) {
-      Writable w = Allocate(out, dst, length, 0, true);
+      Writable w{nullptr, nullptr};
+      if (in_result && output_.val && output_.capacity >= s.n) {
+        out.dense = true;
+        out.val = w.val = output_.val + lo;
+      } else {
+        w = Allocate(out, dst, length, 0, true);
+      }
       std::memset(w.val, 0, length * sizeof(float));
       for (const Stream& g : segments) {  // in rank order
         if (g.dense) {
@@ -327,7 +340,7 @@ class Interpreter {
   static void Place(const Stream& part, int64_t lo, bool to_dense, Writable w, int64_t offset) {
     if (to_dense) {
       if (part.dense) {
-        std::memcpy(w.val + lo, part.val, part.n * sizeof(float));
+        if (w.val + lo != part.val) std::memcpy(w.val + lo, part.val, part.n * sizeof(float));
       } else {
         for (int64_t j = 0; j < part.nnz; ++j) w.val[lo + part.idx[j]] = part.val[j];
       }

@@ -315,7 +315,10 @@ class Pricing:
         n = self.n
         out = Estimate(n, grown_capacity(sum(seg.capacity for seg in segments), n, 1, self.delta),
                        max(seg.fan_in for seg in segments))
-        self.seconds += sum(self.count(seg) for seg in segments) * self.model.pair_cost + self._result_buffers(out)
+        entries = sum(self.count(seg) for seg in segments)
+        # The native engine copies the segments into place; XLA merges them (they cover disjoint ranges).
+        per_entry = self.model.pair_cost if self.static else 2 * self.model.element_cost
+        self.seconds += entries * per_entry + self._result_buffers(out)
         return out
 
 

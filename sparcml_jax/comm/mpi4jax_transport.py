@@ -26,7 +26,8 @@ from mpi4py import MPI
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (check_pairs, concatenated_capacity, exchange_capacity, gathered_capacity,
                                        grown_capacity, largest_part_capacity, longest_part, part_bounds, part_capacity,
-                                       part_length, peers_of, segment_capacities, segment_slot)
+                                       part_length, peers_of, ring_segments, segment_capacities,
+                                       segment_slot)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds, scatter_add
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
@@ -179,12 +180,9 @@ class Mpi4jaxTransport:
 
     def ring_pass(self, segments: list[SparseStream], *, send: int, into: int, combine: Combine) -> list[SparseStream]:
         p, r = self.nprocs, self.rank
-        if (send - into) % p != 1 % p:
-            raise ValueError(f"ring_pass: rank r + 1 combines what rank r sends, so send must be into + 1 "
-                             f"(got send={send}, into={into})")
-        target = (r + into) % p
+        sending, target = ring_segments(r, p, send, into)
         kept = segments[target]
-        got, sent = self._transfer(segments[(r + send) % p], (r + 1) % p, (r - 1) % p, kept.size, kept.capacity)
+        got, sent = self._transfer(segments[sending], (r + 1) % p, (r - 1) % p, kept.size, kept.capacity)
         out = self._combine(kept, got, kept.capacity, combine)
         self._after(True, out.is_dense, sent)
         return [out if j == target else seg for j, seg in enumerate(segments)]

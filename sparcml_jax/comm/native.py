@@ -33,7 +33,8 @@ from sparcml_jax import _lib
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
 from sparcml_jax.comm.topology import (check_pairs, concatenated_capacity, exchange_capacity, gathered_capacity,
-                                       grown_capacity, part_capacity, part_length, peers_of, segment_capacities)
+                                       grown_capacity, part_capacity, part_length, peers_of, ring_segments,
+                                       segment_capacities)
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 NAME = "native"
@@ -107,14 +108,12 @@ class Recorder:
 
     def ring_pass(self, segments: list[Register], *, send: int, into: int, combine: Combine) -> list[Register]:
         p, r = self.nprocs, self.rank
-        if (send - into) % p != 1 % p:
-            raise ValueError(f"ring_pass: rank r + 1 combines what rank r sends, so send must be into + 1 "
-                             f"(got send={send}, into={into})")
-        target = segments[(r + into) % p]
+        sending, into_index = ring_segments(r, p, send, into)
+        target = segments[into_index]
         out = self._new(target.size, target.capacity)
-        self.emit(EXCHANGE, out.id, out.capacity, segments[(r + send) % p].id, target.id, (r + 1) % p, (r - 1) % p,
+        self.emit(EXCHANGE, out.id, out.capacity, segments[sending].id, target.id, (r + 1) % p, (r - 1) % p,
                   COMBINE[combine])
-        return [out if j == (r + into) % p else seg for j, seg in enumerate(segments)]
+        return [out if j == into_index else seg for j, seg in enumerate(segments)]
 
     def reduce_scatter(self, s: Register, *, dense: bool = False) -> Register:
         length = part_length(s.size, self.nprocs, self.rank)

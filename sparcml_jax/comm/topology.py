@@ -28,15 +28,6 @@ def segment_slot(capacity: int, size: int, parts: int) -> int:
     return min(capacity, longest_part(size, parts))
 
 
-def check_peers(comm, **peers: int | None) -> None:
-    """Rejects a peer rank outside ``comm`` (MPI would fail inside the compiled program)."""
-    size = comm.Get_size()
-    for name, rank in peers.items():
-        if rank is not None and not 0 <= rank < size:
-            raise ValueError(f"{name}={rank} is not a rank of this communicator of {size} ranks; "
-                             f"pass a rank in [0, {size}) or None to skip that side")
-
-
 def lower_power_of_two(p: int) -> int:
     return 1 << (p.bit_length() - 1)
 
@@ -98,3 +89,12 @@ def peers_of(pairs, rank: int) -> tuple[int, int]:
     dest = next((d for s, d in pairs if s == rank), -1)
     source = next((s for s, d in pairs if d == rank), -1)
     return dest, source
+
+
+def ring_segments(rank: int, nprocs: int, send: int, into: int) -> tuple[int, int]:
+    """(segment ``rank`` sends to rank + 1, segment it combines what rank - 1 sends into) in a
+    ring pass: rank r + 1 combines what rank r sends, so ``send`` must be ``into + 1``."""
+    if (send - into) % nprocs != 1 % nprocs:
+        raise ValueError(f"ring_pass: rank r + 1 combines what rank r sends, so send must be into + 1 "
+                         f"(got send={send}, into={into})")
+    return (rank + send) % nprocs, (rank + into) % nprocs

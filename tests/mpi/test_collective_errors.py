@@ -94,6 +94,22 @@ def test_ranks_disagree_on_algorithm():
 
 
 @needs_two_ranks
+@pytest.mark.parametrize("shift", range(len(sparcml_jax.ALGORITHMS)))
+def test_ranks_running_different_schedules_all_raise(shift):
+    """Every rank runs another algorithm's schedule (rank r the algorithm r + shift, in turn), the
+    native and the mpi4jax transport mixed: no rank can finish, every rank must raise, and the
+    abort leaves no message behind for the next collective."""
+    names = sparcml_jax.ALGORITHMS
+    algorithm = names[(RANK + shift) % len(names)]
+    transport = TRANSPORTS[(RANK // len(names)) % 2] if shift % 2 else "native"
+    expect_error_everywhere(
+        lambda: sparse_allreduce(stream_of_size(601 + shift, 8), algorithm=algorithm, transport=transport),
+        "ranks disagree on", f"rank r runs {names[shift]} + r")
+    assert_recovered()
+    assert_next_collective_works("ssar_split_allgather")
+
+
+@needs_two_ranks
 def test_ranks_disagree_on_transport():
     transport = "native" if RANK == 0 else "mpi4jax"
     expect_error_everywhere(
