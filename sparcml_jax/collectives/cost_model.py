@@ -195,6 +195,11 @@ class Pricing:
             cost += 2 * out.size * m.element_cost
         return cost + self._result_buffers(out)
 
+    def _assembly(self, entries: float) -> float:
+        """Joining parts over disjoint ranges into one stream: the native engine copies each part
+        into place (its indices re-based), XLA merges them."""
+        return entries * (self.model.pair_cost if self.static else 2 * self.model.element_cost)
+
     @staticmethod
     def _exchange_staging(e: Estimate, send: bool, receive: bool) -> float:
         """The compact message of n slots (pairs or dense values, chosen at run time); smaller
@@ -282,7 +287,7 @@ class Pricing:
             self._stage_everywhere(4 * slot + 6 * p * slot)
         else:
             self.seconds += rounds + (p - 1) * self.wire(whole) / p * m.beta
-        self.seconds += self.count(whole) * m.pair_cost + self._result_buffers(whole)
+        self.seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
         return whole
 
     def allreduce(self, s: Estimate) -> Estimate:
@@ -315,10 +320,7 @@ class Pricing:
         n = self.n
         out = Estimate(n, grown_capacity(sum(seg.capacity for seg in segments), n, 1, self.delta),
                        max(seg.fan_in for seg in segments))
-        entries = sum(self.count(seg) for seg in segments)
-        # The native engine copies the segments into place; XLA merges them (they cover disjoint ranges).
-        per_entry = self.model.pair_cost if self.static else 2 * self.model.element_cost
-        self.seconds += entries * per_entry + self._result_buffers(out)
+        self.seconds += self._assembly(sum(self.count(seg) for seg in segments)) + self._result_buffers(out)
         return out
 
 
