@@ -146,11 +146,16 @@ class Pricing:
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
         self.static = transport == "mpi4jax"
         self.k = float(nnz)
-        self.seconds = 0.0
+        self._seconds = 0.0
         self._staged = [0.0] * nprocs
         # A rank that takes no part in an exchange pads its stream to the new capacity; XLA drops
         # the padding if the stream is replaced before it is used.
         self._padding = [0.0] * nprocs
+
+    @property
+    def seconds(self) -> float:
+        """The predicted time: the operations', and a pass's cost per staged element."""
+        return self._seconds + self.staged * self.model.element_cost
 
     @property
     def staged(self) -> float:
@@ -228,20 +233,20 @@ class Pricing:
         dest, source = peers_of(pairs, 0)
         if dest < 0 and source < 0:
             return out
-        self.seconds += self.model.message(self.wire(s), self.nprocs)
+        self._seconds += self.model.message(self.wire(s), self.nprocs)
         if source >= 0 and combine == "add":
             out = dataclasses.replace(out, fan_in=min(2 * s.fan_in, self.nprocs))
-            self.seconds += self._merge(s, s, out)
+            self._seconds += self._merge(s, s, out)
         return out
 
     def ring_pass(self, segments: list[Estimate], *, send: int, into: int, combine: Combine) -> list[Estimate]:
         p = self.nprocs
         sent, target = segments[send % p], segments[into % p]
-        self.seconds += self.model.message(self.wire(sent), p)
+        self._seconds += self.model.message(self.wire(sent), p)
         self._stage_everywhere(self._exchange_staging(sent, True, True))
         if combine == "add":
             out = dataclasses.replace(target, fan_in=min(target.fan_in + sent.fan_in, p))
-            self.seconds += self._merge(target, dataclasses.replace(sent, capacity=target.capacity), out)
+            self._seconds += self._merge(target, dataclasses.replace(sent, capacity=target.capacity), out)
         else:
             out = dataclasses.replace(target, fan_in=sent.fan_in)
         return [out if j == into % p else seg for j, seg in enumerate(segments)]
@@ -257,11 +262,11 @@ class Pricing:
         if dense and not self.static:
             # The segments are added into a zero-filled slice; every pair of the stream is packed
             # into its range's message and added into its owner's slice: about a merge's work.
-            self.seconds += sends + (1 / p + 1) * n * m.element_cost + self.count(s) * m.pair_cost
+            self._seconds += sends + (1 / p + 1) * n * m.element_cost + self.count(s) * m.pair_cost
         else:
             # What arrives is merged segment after segment into the growing part: the part's
             # pairs are visited (P + 1) / 2 times on average.
-            self.seconds += sends + (p + 1) / 2 * self.count(s) * m.pair_cost
+            self._seconds += sends + (p + 1) / 2 * self.count(s) * m.pair_cost
         capacity = length if dense else max(part_capacity(s.capacity, n, p, r, self.delta) for r in range(p))
         return Estimate(length, capacity, p, dense_values=dense, source_capacity=s.capacity)
 
@@ -272,22 +277,22 @@ class Pricing:
             # The dense allgather moves half the bytes of a dense allreduce.
             value_bytes = 4.0 if quantize is None else quantize.bits / 8.0
             out = Estimate(n, n, p, dense_values=True)
-            self.seconds += rounds + n * value_bytes * m.dense_beta / 2
+            self._seconds += rounds + n * value_bytes * m.dense_beta / 2
             if quantize is not None:  # QSGD codes and decodes every element
-                self.seconds += 4 * n * m.element_cost + self._result_buffers(out)
+                self._seconds += 4 * n * m.element_cost + self._result_buffers(out)
             if self.static:  # the part densified, the gathered slices padded, concatenated and cut back
                 self._stage_everywhere(2 * n + longest_part(n, p) * (1 + 2 * (n % p != 0)))
-                self.seconds += 0.0 if quantize is not None else self._result_buffers(out)
+                self._seconds += 0.0 if quantize is not None else self._result_buffers(out)
             return out
         whole = Estimate(n, gathered_capacity(part.source_capacity, n, p, self.delta), p,
                          source_capacity=part.source_capacity)
         if self.static:  # every part at the largest part's slot; P parts packed, gathered, re-based
             slot = largest_part_capacity(part.source_capacity, n, p, self.delta)
-            self.seconds += rounds + (p - 1) * 8.0 * slot * m.beta
+            self._seconds += rounds + (p - 1) * 8.0 * slot * m.beta
             self._stage_everywhere(4 * slot + 6 * p * slot)
         else:
-            self.seconds += rounds + (p - 1) * self.wire(whole) / p * m.beta
-        self.seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
+            self._seconds += rounds + (p - 1) * self.wire(whole) / p * m.beta
+        self._seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
         return whole
 
     def allreduce(self, s: Estimate) -> Estimate:
@@ -296,23 +301,23 @@ class Pricing:
         # Densified into the result, MPI_Allreduce in place. mpi4jax densifies into a zero-filled
         # XLA buffer first (measured at P = 4, N = 2^22, 10 %: 24.3 ms against 17.4 ms for the
         # allreduce of a ready dense vector).
-        self.seconds += m.dense_alpha + 4.0 * s.size * m.dense_beta + self._result_buffers(out)
+        self._seconds += m.dense_alpha + 4.0 * s.size * m.dense_beta + self._result_buffers(out)
         if self.static:
-            self.seconds += 2 * s.size * m.element_cost
+            self._seconds += 2 * s.size * m.element_cost
         return out
 
     def gather(self, s: Estimate) -> Estimate:
         m, p = self.model, self.nprocs
         out = Estimate(s.size, grown_capacity(s.capacity, s.size, p, self.delta), p)
-        self.seconds += math.log2(p) * m.latency(p) + (p - 1) * self.wire(s) * m.beta
-        self.seconds += p * self.count(s) * m.pair_cost + self._result_buffers(out)
+        self._seconds += math.log2(p) * m.latency(p) + (p - 1) * self.wire(s) * m.beta
+        self._seconds += p * self.count(s) * m.pair_cost + self._result_buffers(out)
         return out
 
     def split(self, s: Estimate, *, fan_in: int = 1) -> list[Estimate]:
         p = self.nprocs
         length = longest_part(s.size, p)
         self._stage_everywhere(self._scatter_staging(s))
-        self.seconds += self.count(s) * self.model.element_cost  # the indices re-based
+        self._seconds += self.count(s) * self.model.element_cost  # the indices re-based
         capacities = segment_capacities(s.capacity, s.size, p, fan_in, self.delta)
         return [Estimate(length, max(capacities), s.fan_in) for _ in range(p)]
 
@@ -320,7 +325,7 @@ class Pricing:
         n = self.n
         out = Estimate(n, grown_capacity(sum(seg.capacity for seg in segments), n, 1, self.delta),
                        max(seg.fan_in for seg in segments))
-        self.seconds += self._assembly(sum(self.count(seg) for seg in segments)) + self._result_buffers(out)
+        self._seconds += self._assembly(sum(self.count(seg) for seg in segments)) + self._result_buffers(out)
         return out
 
 
