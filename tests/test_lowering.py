@@ -206,7 +206,7 @@ def test_exchange_with_a_peer_outside_the_communicator_raises():
     from sparcml_jax.comm.native import Recorder
 
     s = stream(100, [1, 2], capacity=4)
-    for t in (Recorder(0, 1, 1.0, 100), Mpi4jaxTransport(MPI.COMM_WORLD, 1.0, 100)):
+    for t in (Recorder(0, 1, 1.0, 100), Mpi4jaxTransport(MPI.COMM_WORLD, 1.0, 100, agreed=jnp.int32(0))):
         with pytest.raises(ValueError, match=r"must name ranks in \[0, 1\), each at most once"):
             t.exchange(s, [(0, 1)], combine="add")
         with pytest.raises(ValueError, match=r"must name ranks in \[0, 1\)"):

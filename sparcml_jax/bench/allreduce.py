@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sizes", type=int, nargs="+")
     parser.add_argument("--densities", type=float, nargs="+")
     parser.add_argument("--supports", nargs="+", choices=SUPPORTS)
-    parser.add_argument("--algorithms", nargs="+", default=[*ALGORITHMS[1:], "auto"])
+    parser.add_argument("--algorithms", nargs="+", default=[*ALGORITHMS, "auto"])
     parser.add_argument("--transports", nargs="+", default=["native", "mpi4jax"])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--calls-per-sample", type=int, default=1, metavar="R",

@@ -20,7 +20,7 @@ from sparcml_jax.collectives.dense import dense_allreduce
 from sparcml_jax.collectives.validate import (allreduce_signature, call_and_recover, check_allreduce,
                                               reject_everywhere, reset_after_error)
 from sparcml_jax.comm import check_transport, native, resolve_comm
-from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport, after_agreement
+from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.qsgd import key_words
 from sparcml_jax.stream import SparseStream
@@ -115,10 +115,9 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
             result, code, sent, dense_round = native.run(program, stream, comm=plan.comm, signature=signature,
                                                          delta=plan.delta, key_words=words)
             return result, AllreduceStats(code, sent, result.nnz, dense_round)
-        largest = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
-        stream = after_agreement(stream, largest)
+        agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
         (_, name), = _choices(plan, model, stream.size, stream.capacity) if algorithm == "auto" else [(0, algorithm)]
-        t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, key)
+        t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, agreed, key)
         result = definition(name)(t, stream, **plan.options(name))
         return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
 
@@ -164,8 +163,7 @@ def _compiled_allgather(plan: Plan):
                                     capacity=s.capacity, code=-1)
             result, _, sent, _ = native.run(program, s, comm=plan.comm, signature=signature, delta=plan.delta)
         else:
-            s = after_agreement(s, native.agree(s, comm=plan.comm, signature=signature))
-            t = Mpi4jaxTransport(plan.comm, plan.delta, s.size)
+            t = Mpi4jaxTransport(plan.comm, plan.delta, s.size, native.agree(s, comm=plan.comm, signature=signature))
             result, sent = t.gather(s), t.sent
         return result, AllreduceStats(jnp.int32(-1), sent, result.nnz, jnp.int32(-1))
 

@@ -9,7 +9,10 @@ capacity reaches the dense length, it travels as the dense vector instead (4 byt
 
 Static buffers cannot carry an abort, so a call first runs the native agreement step
 (:func:`sparcml_jax.comm.native.agree`): ranks compare their static choices and validate their
-streams there, and nothing can fail after it.
+streams there, and nothing can fail after it. XLA orders ops by their data only: a kernel that
+validates this rank's own stream before any message (a densify, a split) takes the stream
+through the agreement's result, so that it cannot fail here before the agreement has told every
+rank; everything else follows a message, which comes after the agreement on the token chain.
 """
 
 from __future__ import annotations
@@ -47,13 +50,6 @@ class Part:
     source_capacity: int
 
 
-def after_agreement(s: SparseStream, largest_nnz: jax.Array) -> SparseStream:
-    """``s``, made to depend on the agreement step's result: XLA orders ops by data only, and a
-    kernel that validates its stream must not fail on this rank before the agreement has told
-    every rank (the condition never holds: the largest nnz is never negative)."""
-    return SparseStream(s.indices, s.values, jnp.where(largest_nnz < 0, 0, s.nnz), s.size)
-
-
 def _header(nnz) -> jax.Array:
     return jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.zeros((), INDEX_DTYPE)])
 
@@ -79,13 +75,18 @@ class Mpi4jaxTransport:
     variable_length = False
     nonblocking = False
 
-    def __init__(self, comm: MPI.Comm, delta: float, size: int, key: jax.Array | None = None):
+    def __init__(self, comm: MPI.Comm, delta: float, size: int, agreed: jax.Array, key: jax.Array | None = None):
+        """``agreed``: the agreement step's result (the largest nnz over ranks)."""
         self.comm, self.delta, self.size = comm, delta, size
         self.rank, self.nprocs = comm.Get_rank(), comm.Get_size()
-        self.key = key
+        self.agreed, self.key = agreed, key
         self.sent = jnp.float32(0)
         self.dense_round = jnp.int32(-1)
         self._round = 0
+
+    def _checked(self, s: SparseStream) -> SparseStream:
+        """``s`` through the agreement's result (the condition never holds: no count is negative)."""
+        return SparseStream(s.indices, s.values, jnp.where(self.agreed < 0, 0, s.nnz), s.size)
 
     def _after(self, took_part: bool, is_dense, sent: float) -> None:
         if took_part:
@@ -111,7 +112,7 @@ class Mpi4jaxTransport:
         messages pair up as far as both go. Messages of one source and tag arrive in order, so
         every round can use the same tags."""
         if dest >= 0 and self._compact(s.size, s.capacity):
-            sends = [(self._pack_compact(s), _TAG)]
+            sends = [(self._pack_compact(self._checked(s)), _TAG)]
         elif dest >= 0:
             sends = [(_header(s.nnz), _TAG), (s.indices, _TAG + _INDICES_TAG), (s.values, _TAG + _VALUES_TAG)]
         else:
@@ -277,7 +278,7 @@ class Mpi4jaxTransport:
 
     def allreduce(self, s: SparseStream) -> SparseStream:
         p = self.nprocs
-        out = dense_stream(mpi4jax.allreduce(_densify(s), op=MPI.SUM, comm=self.comm))
+        out = dense_stream(mpi4jax.allreduce(_densify(self._checked(s)), op=MPI.SUM, comm=self.comm))
         # Volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.
         self._after(True, jnp.bool_(True), 2 * (p - 1) / p * 4 * s.size)
         return out
@@ -299,7 +300,7 @@ class Mpi4jaxTransport:
     def split(self, s: SparseStream, *, fan_in: int = 1) -> list[SparseStream]:
         p = self.nprocs
         slot = segment_slot(s.capacity, s.size, p)
-        rows = self._segments(s, slot)
+        rows = self._segments(self._checked(s), slot)
         out = []
         for r, capacity in enumerate(segment_capacities(s.capacity, s.size, p, fan_in, self.delta)):
             idx, val, nnz = _unpack(rows[r], slot)
