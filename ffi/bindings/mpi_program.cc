@@ -222,6 +222,13 @@ class Interpreter {
 
   Header HeaderOf(const Stream& s) const { return call_.Make(s.dense ? s.n : s.nnz, s.dense); }
 
+  // Every other rank, in a ring order from this one (so that ranks start with different peers).
+  std::vector<int> Peers() const {
+    std::vector<int> out;
+    for (int i = 1; i < call_.nprocs(); ++i) out.push_back((call_.rank() - i + call_.nprocs()) % call_.nprocs());
+    return out;
+  }
+
   // Range [lo, hi) of s, re-based to lo, as it travels (pairs, or a dense slice when no larger).
   Range RangeOf(const Stream& s, int64_t lo, int64_t hi) const {
     Range r;
@@ -302,9 +309,9 @@ class Interpreter {
     }
     std::vector<Stream> segments(p);
     segments[me] = AsStream(RangeOf(s, lo, lo + length), length, length);
-    for (int i = 1; i < p; ++i) {
-      int q = (me - i + p) % p;
-      Call::Message m = call_.Receive(q);
+    for (std::vector<int> pending = Peers(); !pending.empty();) {
+      int q = 0;
+      Call::Message m = call_.ReceiveFirst(&pending, &q);
       segments[q] = Received(q, m, length, m.h.count, -1);
     }
     call_.WaitSends();
@@ -359,10 +366,11 @@ class Interpreter {
     for (int i = 1; i < p; ++i) call_.Send((me + i) % p, own.header, own.idx, own.val);
     std::vector<Call::Message> messages(p);
     int64_t total = own.header.count;
-    for (int i = 1; i < p; ++i) {
-      int q = (me - i + p) % p;
-      messages[q] = call_.Receive(q);
-      total += messages[q].h.count;
+    for (std::vector<int> pending = Peers(); !pending.empty();) {
+      int q = 0;
+      Call::Message m = call_.ReceiveFirst(&pending, &q);
+      total += m.h.count;
+      messages[q] = std::move(m);
     }
     call_.MarkAgreed();
     Stream out = Empty(n, cap);
@@ -544,9 +552,9 @@ class Interpreter {
     for (int i = 1; i < p; ++i) call_.Send((me + i) % p, HeaderOf(s), s.idx, s.val);
     std::vector<Stream> streams(p);
     streams[me] = s;
-    for (int i = 1; i < p; ++i) {
-      int q = (me - i + p) % p;
-      Call::Message m = call_.Receive(q);
+    for (std::vector<int> pending = Peers(); !pending.empty();) {
+      int q = 0;
+      Call::Message m = call_.ReceiveFirst(&pending, &q);
       streams[q] = Received(q, m, s.n, m.h.count, -1);
     }
     call_.WaitSends();

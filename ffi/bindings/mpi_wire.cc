@@ -15,6 +15,7 @@ namespace {
 // Messages up to this size carry their payload inside the header's message: one message instead
 // of three for the latency-bound calls; larger payloads go straight from the sender's buffers.
 constexpr int64_t kInlineBytes = 32 << 10;
+constexpr int kSpinPolls = 64;
 
 // Waiting without monopolising a core on the engine's thread: a short spin, 20 us naps for the
 // first millisecond (small messages), then naps of SPARCML_JAX_ENGINE_NAP_US (default 200) so
@@ -30,7 +31,6 @@ class Backoff {
   }
 
  private:
-  static constexpr int kSpinPolls = 64;
   static constexpr std::chrono::microseconds kShortNap{20};
   static std::chrono::microseconds LongNap() {
     static const std::chrono::microseconds nap([] {
@@ -155,6 +155,18 @@ void Call::Await(MPI_Request* requests, int count) {
   }
 }
 
+Call::Message Call::Take(MPI_Message* message, const MPI_Status& status) {
+  int bytes = 0;
+  MPI_Get_count(&status, MPI_BYTE, &bytes);
+  Message m;
+  m.data.resize(bytes);
+  MPI_Request request;
+  MPI_Imrecv(m.data.data(), bytes, MPI_BYTE, message, &request);
+  Await(&request, 1);
+  std::memcpy(&m.h, m.data.data(), std::min<size_t>(sizeof m.h, m.data.size()));
+  return m;
+}
+
 Call::Message Call::ReceiveRaw(int source) {
   MPI_Message message;
   MPI_Status st;
@@ -167,19 +179,10 @@ Call::Message Call::ReceiveRaw(int source) {
   } else {
     MPI_Mprobe(source, tag_, comm_, &message, &st);
   }
-  int bytes = 0;
-  MPI_Get_count(&st, MPI_BYTE, &bytes);
-  Message m;
-  m.data.resize(bytes);
-  MPI_Request request;
-  MPI_Imrecv(m.data.data(), bytes, MPI_BYTE, &message, &request);
-  Await(&request, 1);
-  std::memcpy(&m.h, m.data.data(), std::min<size_t>(sizeof m.h, m.data.size()));
-  return m;
+  return Take(&message, st);
 }
 
-Call::Message Call::Receive(int source) {
-  Message m = ReceiveRaw(source);
+Call::Message Call::Check(int source, Message m) {
   if (m.h.kind == kAbort) {
     abort_seen_[source] = 1;
     throw Aborted{};
@@ -190,6 +193,29 @@ Call::Message Call::Receive(int source) {
   }
   Fail(m.h.flags, m.h.bad_rank);
   return m;
+}
+
+Call::Message Call::Receive(int source) { return Check(source, ReceiveRaw(source)); }
+
+Call::Message Call::ReceiveFirst(std::vector<int>* pending, int* source) {
+  MPI_Message message;
+  MPI_Status st;
+  Backoff backoff;
+  for (int sweeps = 0;; ++sweeps) {
+    for (size_t i = 0; i < pending->size(); ++i) {
+      int found = 0;
+      MPI_Improbe((*pending)[i], tag_, comm_, &found, &message, &st);
+      if (!found) continue;
+      *source = (*pending)[i];
+      pending->erase(pending->begin() + static_cast<std::ptrdiff_t>(i));
+      return Check(*source, Take(&message, st));
+    }
+    if (background_) {
+      backoff.Pause();
+    } else if (sweeps >= kSpinPolls) {
+      std::this_thread::yield();  // a peer that shares this core may need it to send
+    }
+  }
 }
 
 void Call::Payload(int source, const Message& m, int32_t* idx, float* val) {

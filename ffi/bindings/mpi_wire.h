@@ -125,6 +125,9 @@ class Call {
     Bytes data;
   };
   Message Receive(int source);
+  // The first message to arrive from any of `pending` (removed from it; *source names it): a
+  // phase that hears from several peers takes them as they come.
+  Message ReceiveFirst(std::vector<int>* pending, int* source);
   // The payload of message `m` from `source`, into idx (pairs only; nullptr: dropped) and val
   // (nullptr: dropped). Payloads of one source must be taken in the order of their headers.
   void Payload(int source, const Message& m, int32_t* idx, float* val);
@@ -149,6 +152,8 @@ class Call {
  private:
   void Drain(int source);
   Message ReceiveRaw(int source);
+  Message Take(MPI_Message* message, const MPI_Status& status);
+  Message Check(int source, Message m);
 
   MPI_Comm comm_;
   int tag_, rank_, nprocs_;

@@ -21,6 +21,7 @@ from mpi4py import MPI
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (exchange_capacity, gathered_capacity, grown_capacity, largest_part_capacity,
                                        longest_part, part_capacity, peers_of, segment_capacities, segment_slot)
+from sparcml_jax.stream import dense_threshold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ class CostModel:
         t = Pricing(self, size=size, nnz=per_rank, nprocs=nprocs, transport=transport, delta=delta)
         if nprocs > 1:
             options = {"quantize": Quantization(quantize_bits)} if quantize_bits else {}
-            definition(algorithm)(t, Estimate(size, capacity, 1), **options)
+            t.result(definition(algorithm)(t, Estimate(size, capacity, 1), **options))
         return t
 
 
@@ -216,6 +217,11 @@ class Pricing:
         slot = segment_slot(e.capacity, e.size, self.nprocs)
         return 5 * e.capacity + 2 * slot + 10 * self.nprocs * slot
 
+    def result(self, e: Estimate) -> None:
+        """The result is handed over in its static capacity: the slots past its entries are
+        written too (padding), and whatever consumes the stream visits them."""
+        self._seconds += 2 * max(e.capacity - self.count(e), 0.0) * self.model.element_cost
+
     # --------------------------------------------------------------------------- operations
 
     def exchange(self, s: Estimate, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Estimate:
@@ -289,7 +295,10 @@ class Pricing:
         if self.static:  # every part at the largest part's slot; P parts packed, gathered, re-based
             slot = largest_part_capacity(part.source_capacity, n, p, self.delta)
             self._seconds += rounds + (p - 1) * 8.0 * slot * m.beta
-            self._stage_everywhere(4 * slot + 6 * p * slot)
+            # The parts packed, gathered and re-based; the merged result cut to its capacity when
+            # the union bound is below the parts' slots.
+            merged = min(p * slot, n) if p * slot < dense_threshold(n, self.delta) else n
+            self._stage_everywhere(4 * slot + 6 * p * slot + (2 * whole.capacity if whole.capacity < merged else 0))
         else:
             self._seconds += rounds + (p - 1) * self.wire(whole) / p * m.beta
         self._seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import can_switch_to_dense
 
@@ -51,9 +53,13 @@ def largest_part_capacity(capacity: int, size: int, parts: int, delta: float) ->
 
 
 def gathered_capacity(capacity: int, size: int, parts: int, delta: float) -> int:
-    """Capacity of the allgather result: the sum of the part capacities."""
+    """Capacity of the allgather result: the sum of the part capacities, but no more than the
+    union of the inputs can fill. A part travels as its dense slice once its count reaches
+    ceil(delta L / 2), so its L entries are at most 2 / delta times its count: the parts hold
+    at most max(1, 2 / delta) times the union, which holds at most P times the capacity."""
     total = sum(part_capacity(capacity, size, parts, r, delta) for r in range(parts))
-    return grown_capacity(total, size, 1, delta)
+    union = grown_capacity(math.ceil(max(1.0, 2.0 / delta) * capacity), size, parts, delta)
+    return grown_capacity(min(total, union), size, 1, delta)
 
 
 def exchange_capacity(capacity: int, size: int, combine: str, delta: float) -> int:
