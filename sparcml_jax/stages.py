@@ -1,0 +1,434 @@
+"""The stages of sparse gradient communication, each an optax transformation of its own.
+
+Between stages the updates are a pytree whose leaves are dense arrays or :class:`SparseStream`
+streams (over the flattened leaf), or a :class:`sparcml_jax.transform.LeafGroups` (the fused
+buffers of :func:`sparcml_jax.transform.fuse_leaves`). Every stage flattens with streams as
+leaves, so no stage ever treats a stream's indices as updates. They sit in this order:
+
+1. :func:`sparsify` turns dense leaves into streams (top-k, random-k, threshold, any callable);
+   :func:`error_feedback` wraps it and keeps what was not sent;
+2. :func:`reduce_streams` sums every rank's streams (and dense leaves) over MPI;
+3. :func:`densify` turns the reduced streams back into dense leaves of the parameters' shapes.
+
+Any stage of your own may sit between them if it takes and returns such a pytree: a reduction
+of your own in place of :func:`reduce_streams`, a sparsifier of your own inside
+:func:`error_feedback`. :func:`sparcml_jax.allreduce_gradients` is these stages, chained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from mpi4py import MPI
+
+from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
+from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
+from sparcml_jax.comm import check_transport, resolve_comm
+from sparcml_jax.kernels.partition import from_dense, from_dense_counted
+from sparcml_jax.sparsifiers import Sparsifier, resolve
+from sparcml_jax.stream import VALUE_DTYPE, SparseStream, dense_stream, resize
+
+SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled dense
+
+
+class GradientStats(NamedTuple):
+    """What the last update did, for logging.
+
+    Attributes:
+      density: float32 nonzeros of the reduced buffers over their length.
+      bytes_sent: float32 payload bytes this rank sent in the last update.
+      algorithm: int32 index into ``sparcml_jax.ALGORITHMS`` of the largest buffer's algorithm
+        (-1 when it travelled dense: during warm-up, or when a rank exceeded ``capacity``).
+    """
+
+    density: jax.Array
+    bytes_sent: jax.Array
+    algorithm: jax.Array
+
+
+class SparsifyState(NamedTuple):
+    """:func:`sparsify`'s step count (for warm-up) and PRNG key data (for random selections)."""
+
+    count: jax.Array
+    key: jax.Array
+
+
+class ErrorFeedbackState(NamedTuple):
+    """:func:`error_feedback`'s residual (float32, like the updates) and its sparsifier's state."""
+
+    residual: Any
+    inner: Any
+
+
+class ReduceState(NamedTuple):
+    """:func:`reduce_streams`'s step count, PRNG key data (for QSGD) and the last update's stats."""
+
+    count: jax.Array
+    key: jax.Array
+    stats: GradientStats
+
+
+def is_stream(x: Any) -> bool:
+    return isinstance(x, SparseStream)
+
+
+def sparsify(sparsifier: str | Sparsifier = "topk", *, density: float | None = None, k: int | None = None,
+             warmup_steps: int | jax.Array = 0, seed: int = 0) -> optax.GradientTransformation:
+    """Replaces every dense leaf ``v`` by the stream of its selected entries (SparCML §5).
+
+    A leaf of ``n`` entries keeps ``ceil(density * n)`` of them, or its share of ``k``,
+    ``round(k * n / N)`` with ``N`` the dense leaves' total, so that the leaves send about ``k``
+    entries in all. Stream leaves pass unchanged. Leaf ``g`` (in flattening order) draws its
+    random choices from ``fold_in(split(key)[1], g)``.
+
+    Args:
+      sparsifier: ``"topk"``, ``"randomk"``, ``sparcml_jax.sparsifiers.threshold(tau)`` or any
+        callable ``(v, k, key) -> SparseStream`` returning at most ``k`` entries of ``v``.
+      density: fraction of each leaf's entries to keep, in (0, 1].
+      k: entries to keep in all, instead of ``density``.
+      warmup_steps: for the first steps every leaf is sent whole (its dense stream). Streams
+        then have capacity ``n`` at every step.
+      seed: seeds the PRNG key of the state.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import sparcml_jax
+      >>> tx = sparcml_jax.sparsify(k=2)
+      >>> streams, _ = tx.update({"w": jnp.array([0.5, -3.0, 1.0, 2.0])}, tx.init(None))
+      >>> streams["w"].indices.tolist(), streams["w"].values.tolist()
+      ([1, 3], [-3.0, 2.0])
+    """
+    check_budget(density, k)
+    if density is None and k is None:
+        raise ValueError("sparsify needs density or k (how many entries to keep)")
+    check_warmup(warmup_steps)
+    select = resolve(sparsifier)
+
+    def init_fn(params):
+        del params
+        return SparsifyState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+        dense = [i for i, leaf in enumerate(leaves) if not is_stream(leaf)]
+        total = sum(jnp.size(leaves[i]) for i in dense)
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        warming = warming_up(state.count, warmup_steps)
+        out = list(leaves)
+        for g, i in enumerate(dense):
+            v = jnp.ravel(jnp.asarray(leaves[i], VALUE_DTYPE))
+            stream = select(v, leaf_budget(v.shape[0], total, density, k), jax.random.fold_in(step_key, g))
+            if warming is not None:
+                stream = jax.lax.cond(warming, lambda v=v: dense_stream(v),
+                                      lambda s=stream, n=v.shape[0]: resize(s, n))
+            out[i] = stream
+        return jax.tree.unflatten(treedef, out), SparsifyState(state.count + 1, jax.random.key_data(key))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Keeps what ``sparsifier`` did not send and adds it to the next update (SparCML §2, §6).
+
+    Rank ``i`` keeps a residual ``r_i``: at step ``t`` it forms ``a_i = g_i + r_i``, sends
+    ``s_i = sparsifier(a_i)`` and keeps ``r_i <- a_i - s_i``, so that over any number of steps
+    everything sent plus the residual is the sum of all gradients (Strom 2015; Seide et al.
+    2014). ``sparsifier`` maps dense leaves to streams over the flattened leaf (or to a
+    :class:`~sparcml_jax.transform.LeafGroups`); stream leaves of the gradient pass unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import sparcml_jax
+      >>> tx = sparcml_jax.error_feedback(sparcml_jax.sparsify(k=1))
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> sent, state = tx.update({"w": jnp.array([1.0, -2.0, 0.5])}, state)
+      >>> sent["w"].to_dense().tolist(), state.residual["w"].tolist()
+      ([0.0, -2.0, 0.0], [1.0, 0.0, 0.5])
+    """
+
+    def init_fn(params):
+        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params)
+        return ErrorFeedbackState(residual, sparsifier.init(params))
+
+    def update_fn(updates, state, params=None):
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+        residual, residual_def = jax.tree.flatten(state.residual)
+        if treedef != residual_def:
+            raise ValueError("error_feedback: the gradient pytree differs from the one given to init "
+                             f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train")
+        for i, (leaf, r) in enumerate(zip(leaves, residual)):
+            if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != r.size or (
+                    not is_stream(leaf) and jnp.shape(leaf) != r.shape):
+                shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
+                raise ValueError(f"error_feedback: gradient leaf {i} has {shape} but init saw {r.shape}; "
+                                 "re-run init with the parameters you train")
+        accumulated = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
+        sent, inner_state = sparsifier.update(jax.tree.unflatten(treedef, accumulated), state.inner, params)
+        new_residual = [r if is_stream(a) else a - s
+                        for a, r, s in zip(accumulated, residual, sent_values(sent, accumulated))]
+        return sent, ErrorFeedbackState(jax.tree.unflatten(residual_def, new_residual), inner_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def sent_values(sent: Any, like: list) -> list:
+    """The dense values a sparsifier's output stands for, one per leaf of ``like``."""
+    if hasattr(sent, "unpack"):  # LeafGroups: fused buffers back to their leaves
+        return sent.unpack(cast=False)
+    leaves = jax.tree.leaves(sent, is_leaf=is_stream)
+    return [s.to_dense().reshape(jnp.shape(a)) if is_stream(s) else s for s, a in zip(leaves, like)]
+
+
+def reduce_streams(*, algorithm: str = "auto", transport: str = "native", comm: MPI.Comm | None = None,
+                   average: bool = True, quantize_bits: int | None = None, delta: float = 1.0,
+                   bucket_size: int = 1024, quantize_scale: str = "max", cost_model: CostModel | None = None,
+                   capacity: int | None = None, warmup_steps: int | jax.Array = 0, nonblocking: bool = False,
+                   seed: int = 0) -> optax.GradientTransformation:
+    """Sums (or averages) the updates of every rank of ``comm`` (SparCML §4, §6, §7).
+
+    Stream leaves are summed by :func:`sparcml_jax.sparse_allreduce` (``algorithm``,
+    ``transport``, QSGD with ``quantize_bits`` on DSAR's dense phase, keyed per buffer like
+    :func:`sparsify`); dense leaves travel in one dense allreduce. Of a
+    :class:`~sparcml_jax.transform.LeafGroups`, the small leaves travel dense, the fused buffers
+    as streams (a dense buffer is sent as its nonzeros, exactly: at most ``capacity`` of them, or
+    dense when any rank has more or during warm-up), and the streams the gradient brought are
+    summed exactly, without QSGD. The averaged result is ``sum_i s_i / P``.
+
+    Args:
+      algorithm, transport, delta, bucket_size, quantize_scale, cost_model: passed to
+        :func:`sparcml_jax.sparse_allreduce`.
+      comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      average: divide the sum by the number of ranks.
+      quantize_bits: QSGD bits (2, 4, 8) on DSAR's dense allgather phase.
+      capacity: a bound on the nonzeros of a rank's dense fused buffer (see above).
+      warmup_steps: steps during which dense fused buffers travel dense; the stats then report
+        algorithm -1 (pair with :func:`sparsify`'s ``warmup_steps``).
+      nonblocking: start every stream's reduction on the non-blocking engine
+        (:func:`sparcml_jax.sparse_allreduce_start`) before waiting for any, so that the engine
+        reduces one buffer while the program prepares the next. Native transport, no capacity.
+      seed: seeds the PRNG key of the state.
+
+    Example (one process: the sum is what this rank sent):
+      >>> import jax.numpy as jnp
+      >>> import sparcml_jax
+      >>> tx = sparcml_jax.reduce_streams(algorithm="ssar_recursive_doubling")
+      >>> grads = {"w": sparcml_jax.topk(jnp.array([0.5, -3.0, 1.0]), 1), "b": jnp.ones(2)}
+      >>> total, state = tx.update(grads, tx.init(None))
+      >>> total["w"].to_dense().tolist(), total["b"].tolist(), float(state.stats.density)
+      ([0.0, -3.0, 0.0], [1.0, 1.0], 0.3333333432674408)
+    """
+    if quantize_bits is not None and quantize_bits not in (2, 4, 8):
+        raise ValueError(f"quantize_bits must be 2, 4, 8 or None, got {quantize_bits!r}")
+    if quantize_bits is not None and algorithm not in ("auto", "dsar_split_allgather"):
+        raise ValueError(f"quantize_bits needs algorithm 'auto' or 'dsar_split_allgather', got {algorithm!r}")
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
+    check_transport(transport)
+    check_warmup(warmup_steps)
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+    if nonblocking and (transport != "native" or capacity is not None):
+        raise ValueError("nonblocking reductions run on the non-blocking engine: it needs transport='native' and "
+                         f"does not support capacity (got transport={transport!r}, capacity={capacity!r})")
+    collective = dict(algorithm=algorithm, transport=transport, delta=delta, bucket_size=bucket_size,
+                      quantize_scale=quantize_scale, cost_model=cost_model)
+
+    def init_fn(params):
+        del params
+        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        return ReduceState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)), stats)
+
+    def update_fn(updates, state, params=None):
+        del params
+        the_comm = resolve_comm(comm)
+        nprocs = the_comm.Get_size()
+        dense, fused, given = updates.parts() if hasattr(updates, "parts") else _parts(updates)
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        warming = warming_up(state.count, warmup_steps)
+        reduced_dense = dense_sum(dense, the_comm, average)
+        pending = [_prepare(x, warming, capacity, the_comm) for x in fused]
+        options = [dict(collective, quantize_bits=quantize_bits, key=jax.random.fold_in(step_key, g))
+                   for g in range(len(fused))] + [dict(collective, quantize_bits=None)] * len(given)
+        streams = [stream for stream, _ in pending] + list(given)
+        send_dense = [dense_when for _, dense_when in pending] + [None] * len(given)
+        vectors = list(fused) + [None] * len(given)
+        if nonblocking:
+            handles = [sparse_allreduce_start(s, comm=the_comm, **{n: v for n, v in o.items() if n != "transport"})
+                       for s, o in zip(streams, options)]
+            results = [(*sparse_allreduce_wait(h, return_stats=True), None) for h in handles]
+        else:
+            results = [_reduce_one(s, v, when, the_comm, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
+        out = [_averaged(r, nprocs, average) for r, _, _ in results]
+        stats = _stats(streams, results, len(fused), warming)
+        new_state = ReduceState(state.count + 1, jax.random.key_data(key), stats)
+        rebuilt = updates.replace_parts(reduced_dense, out[:len(fused)], out[len(fused):]) \
+            if hasattr(updates, "parts") else _replace_parts(updates, reduced_dense, out)
+        return rebuilt, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _parts(tree: Any) -> tuple[list, list, list]:
+    """An ordinary pytree's dense leaves (sent dense) and stream leaves (reduced as streams)."""
+    leaves = jax.tree.leaves(tree, is_leaf=is_stream)
+    return [x for x in leaves if not is_stream(x)], [x for x in leaves if is_stream(x)], []
+
+
+def _replace_parts(tree: Any, dense: list, streams: list) -> Any:
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_stream)
+    dense, streams = iter(dense), iter(streams)
+    return jax.tree.unflatten(treedef, [next(streams) if is_stream(x) else next(dense) for x in leaves])
+
+
+def dense_sum(leaves: list, comm: MPI.Comm, average: bool) -> list:
+    """The dense leaves summed in one dense allreduce, back in their shapes and dtypes."""
+    if not leaves:
+        return []
+    flat = jnp.concatenate([jnp.ravel(jnp.asarray(x, VALUE_DTYPE)) for x in leaves])
+    nprocs = comm.Get_size()
+    if nprocs > 1:
+        flat = dense_allreduce(flat, comm=comm)
+        flat = flat / nprocs if average else flat
+    return split_like(flat, [(jnp.shape(x), jnp.result_type(x)) for x in leaves])
+
+
+def split_like(flat: jax.Array, like: list[tuple[tuple[int, ...], Any]]) -> list:
+    """``flat`` cut into consecutive pieces of the (shape, dtype) pairs ``like``, each reshaped and cast."""
+    out, offset = [], 0
+    for shape, dtype in like:
+        size = math.prod(shape)
+        out.append(flat[offset:offset + size].reshape(shape).astype(dtype))
+        offset += size
+    return out
+
+
+def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, comm: MPI.Comm):
+    """The stream a fused buffer travels as, and when (if ever) it travels dense instead."""
+    if is_stream(x):
+        return x, None
+    n = x.shape[0]
+    if capacity is not None and capacity < n:
+        stream, count = from_dense_counted(x, capacity)
+        too_many = _max_over_ranks(count, comm) > capacity
+        return stream, too_many if warming is None else too_many | warming
+    stream = from_dense(x, capacity=n)
+    if warming is not None:
+        stream = jax.lax.cond(warming, lambda: dense_stream(x), lambda: stream)
+    return stream, None
+
+
+def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.Array | None, comm: MPI.Comm,
+                options: dict) -> tuple[Any, Any, jax.Array | None]:
+    """(sum, its AllreduceStats, whether it went dense); with ``send_dense`` the sum is dense."""
+    if send_dense is None:
+        return (*sparse_allreduce(stream, comm=comm, return_stats=True, **options), None)
+    nprocs, n = comm.Get_size(), vector.shape[0]
+
+    def dense_path():
+        sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
+        return dense_allreduce(vector, comm=comm), jnp.float32(n), sent, jnp.int32(SENT_DENSE)
+
+    def sparse_path():
+        reduced, stats = sparse_allreduce(stream, comm=comm, return_stats=True, **options)
+        return reduced.to_dense(), stats.result_nnz.astype(jnp.float32), stats.bytes_sent, stats.algorithm
+
+    total, nnz, sent, code = jax.lax.cond(send_dense, dense_path, sparse_path)
+    return total, _Counted(nnz, sent, code), send_dense
+
+
+class _Counted(NamedTuple):
+    result_nnz: jax.Array
+    bytes_sent: jax.Array
+    algorithm: jax.Array
+
+
+def _averaged(reduced: Any, nprocs: int, average: bool) -> Any:
+    if not average:
+        return reduced
+    if is_stream(reduced):  # dividing the nnz values is cheaper than a pass over the dense result
+        return dataclasses.replace(reduced, values=reduced.values / nprocs)
+    return reduced / nprocs
+
+
+def _stats(streams: list, results: list, fused: int, warming: jax.Array | None) -> GradientStats:
+    """Nonzeros and bytes of every stream; the algorithm of the largest fused buffer (else stream)."""
+    if not streams:
+        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+    nnz = sum(stats.result_nnz.astype(jnp.float32) for _, stats, _ in results)
+    sent = sum(stats.bytes_sent for _, stats, _ in results)
+    candidates = range(fused) if fused else range(len(streams))
+    largest = max(candidates, key=lambda i: streams[i].size)
+    code = results[largest][1].algorithm
+    if warming is not None:
+        code = jnp.where(warming, SENT_DENSE, code)
+    return GradientStats(nnz / max(sum(s.size for s in streams), 1), jnp.asarray(sent, jnp.float32), code)
+
+
+def densify() -> optax.GradientTransformation:
+    """Turns reduced streams back into dense updates of the parameters' shapes and dtypes.
+
+    The fused buffers of a :class:`~sparcml_jax.transform.LeafGroups` are cut back into their
+    leaves; the streams the gradient brought stay streams (for :func:`sparcml_jax.lazy`). In an
+    ordinary pytree every stream leaf becomes dense, shaped like the matching leaf of
+    ``params`` (which must then be passed).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import sparcml_jax
+      >>> params = {"w": jnp.zeros((2, 2))}
+      >>> updates = {"w": sparcml_jax.coalesce(jnp.array([3], jnp.int32), jnp.array([5.0]), size=4)}
+      >>> sparcml_jax.densify().update(updates, optax.EmptyState(), params)[0]["w"].tolist()
+      [[0.0, 0.0], [0.0, 5.0]]
+    """
+
+    def update_fn(updates, state, params=None):
+        if hasattr(updates, "unpack"):
+            return updates.unpack(cast=True, treedef=True), state
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+        if any(is_stream(x) for x in leaves) and params is None:
+            raise ValueError("densify: pass params to update, so that stream leaves get the parameters' shapes")
+        like = [None] * len(leaves) if params is None else treedef.flatten_up_to(params)
+        out = [s.to_dense().reshape(jnp.shape(p)).astype(jnp.result_type(p)) if is_stream(s) else s
+               for s, p in zip(leaves, like)]
+        return jax.tree.unflatten(treedef, out), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def warming_up(count: jax.Array, warmup_steps: int | jax.Array) -> jax.Array | None:
+    """Whether this step warms up, or None when no step ever does (no cond in the program)."""
+    if isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0:
+        return count < warmup_steps
+    return None
+
+
+def check_warmup(warmup_steps: Any) -> None:
+    if not isinstance(warmup_steps, jax.core.Tracer) and (jnp.ndim(warmup_steps) != 0 or int(warmup_steps) < 0):
+        raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+
+
+def check_budget(density: Any, k: Any) -> None:
+    if density is not None and k is not None:
+        raise ValueError("pass density or k, not both")
+    if density is not None and not (isinstance(density, (int, float)) and 0 < float(density) <= 1):
+        raise ValueError(f"density must be a fraction in (0, 1], got {density!r}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be a positive int, got {k!r}")
+
+
+def leaf_budget(n: int, total: int, density: float | None, k: int | None) -> int:
+    """Entries a leaf of ``n`` keeps: ``ceil(density * n)``, or its share of ``k`` over ``total``."""
+    share = math.ceil(density * n) if density is not None else round(k * n / max(total, 1))
+    return max(1, min(n, share))
+
+
+def _max_over_ranks(x: jax.Array, comm: MPI.Comm) -> jax.Array:
+    import mpi4jax
+
+    return mpi4jax.allreduce(x, op=MPI.MAX, comm=comm) if comm.Get_size() > 1 else x
