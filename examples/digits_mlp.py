@@ -121,7 +121,7 @@ def main(argv=None):
         bucketed = train("bucket", bucketed_reducer, data, args, comm, sparcml_jax.OVERLAP_COMPILER_OPTIONS)
     dense = train("dense", sparcml_jax.dense_allreduce_gradients(), data, args, comm)
     if comm.Get_rank() == 0:
-        stats = sparse["state"][0].stats
+        stats = optax.tree_utils.tree_get(sparse["state"], "stats")
         print(f"final: test accuracy sparse {sparse['accuracy']:.4f} vs dense {dense['accuracy']:.4f} "
               f"(gap {100 * (dense['accuracy'] - sparse['accuracy']):+.2f} points); "
               f"top-k {args.density:.0%} + error feedback + {args.bits}-bit QSGD sends "

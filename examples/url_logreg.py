@@ -95,7 +95,7 @@ def train(name: str, tx: optax.GradientTransformation, make_step, train_set: Spa
         history["time_s"].append(elapsed)
         if rank == 0:
             extra = ""
-            stats = getattr(opt_state[0], "stats", None)
+            stats = optax.tree_utils.tree_get(opt_state, "stats")
             if stats is not None:
                 extra = (f"  reduced density {float(stats.density):.3%}  sent {float(stats.bytes_sent) / 1e3:.0f} kB/step"
                          f"  algorithm {sparcml_jax.ALGORITHMS[int(stats.algorithm)] if int(stats.algorithm) >= 0 else 'dense'}")
