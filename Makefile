@@ -6,7 +6,7 @@ VENV_ABS := $(abspath $(VENV))
 STAMP := $(VENV)/.deps-installed
 NP ?= 4
 
-.PHONY: install build demo test bench clean
+.PHONY: install build demo test test-environment bench clean
 
 # mpi4jax builds from source. Its CUDA probe trips over the /usr/local/bin/nvcc shim on these
 # machines unless CUDA_PATH names the toolkit root, and it must compile with the venv's mpicc.
@@ -58,6 +58,10 @@ bench: build
 
 test: build
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+
+# Checks of this machine rather than of the code: the kernel's scheduler slices, XLA's byte counts.
+test-environment: build
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m environment tests
 
 clean:
 	rm -rf build $(VENV)

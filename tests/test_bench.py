@@ -28,7 +28,7 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
                                               "ssar_recursive_doubling", "ssar_split_allgather",
                                               "dsar_split_allgather", "sparse_ring", "auto"}
     for r in rows:
-        assert r["P"] == 2 and r["min"] <= r["median"] <= r["max"] and r["ratio_to_dense"] > 0
+        assert r["P"] == 2 and r["bytes_sent_max"] > 0 and 0 <= r["result_density"] <= 1
         assert (r["auto_over_best_fixed"] is not None) == (r["algorithm"] == "auto")
     report = subprocess.run([sys.executable, "-m", "sparcml_jax.bench", "report", str(out), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
@@ -66,8 +66,9 @@ def test_quick_train_benchmark(tmp_path):
     assert {(r["example"], r["run"]) for r in rows} == {
         ("url_logreg", "sparse"), ("url_logreg", "1-line"), ("url_logreg", "dense"),
         ("digits_mlp", "sparse"), ("digits_mlp", "dense"), ("digits_mlp", "bucketed")}
-    for r in rows:  # the target is the worst final loss (+5 %): every run reaches it
-        assert r["step_ms"] > 0 and r["time_to_target_s"] is not None
+    # The URL runs sum the gradient exactly, so they reach the dense run's loss.
+    url = {r["run"]: r["final_loss"] for r in rows if r["example"] == "url_logreg"}
+    assert abs(url["sparse"] - url["dense"]) < 1e-5 and abs(url["1-line"] - url["dense"]) < 1e-5, url
 
 
 def test_calibrate_writes_a_model_that_auto_then_uses(tmp_path):
@@ -103,6 +104,7 @@ def test_quick_latency_benchmark(tmp_path):
     assert all(r["median"] > 0 and r["first_call_s"] > 0 for r in rows)
 
 
+@pytest.mark.environment
 def test_short_slice_reaches_the_command_and_its_threads():
     probe = ("import threading\n"
              "def slice_us():\n"
@@ -118,6 +120,7 @@ def test_short_slice_reaches_the_command_and_its_threads():
     assert run.stdout.split() == ["300000", "300000"]
 
 
+@pytest.mark.environment
 @pytest.mark.parametrize("value", ["fast", "50"])
 def test_short_slice_rejects_what_the_kernel_cannot_take(value):
     run = subprocess.run([sys.executable, str(SHORT_SLICE), value, "true"], capture_output=True, text=True,

@@ -29,6 +29,13 @@ def test_mpi_ranks(nprocs):
     print(f"mpirun -n {nprocs}: {time.perf_counter() - start:.1f} s")
 
 
+@pytest.mark.environment
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_mpi_ranks_environment(nprocs):
+    """The multi-rank checks of this machine's toolchain (tests/mpi, marked environment)."""
+    run_pytest_under_mpirun(nprocs, MPI_TESTS, timeout=TIMEOUTS[nprocs], extra=["-m", "environment", "-rfEX"])
+
+
 # ----------------------------------------------------------------------------- divergence before agreement
 #
 # Ranks that diverge before they agree on the static choices (a local argument error, a cached

@@ -573,7 +573,6 @@ def test_gather_bad_indices_raise_at_run_time(indices, nnz, match):
 # ------------------------------------------------------------------ docstrings
 
 
-@pytest.mark.skipif(not hasattr(sparcml_jax, "split"), reason="partition kernels not yet exported from sparcml_jax")
 def test_docstring_examples():
     result = doctest.testmod(partition)
     assert result.attempted > 0 and result.failed == 0

@@ -30,6 +30,7 @@ def xla_elements(algorithm: str, size: int, capacity: int) -> float:
     return COMM.allreduce(accessed / 4, op=MPI.MAX)
 
 
+@pytest.mark.environment
 @pytest.mark.skipif(NPROCS < 2, reason="one rank stages nothing")
 def test_staged_elements_match_xla_cost_analysis():
     failures = []
