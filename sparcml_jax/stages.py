@@ -13,6 +13,47 @@ leaves, so no stage ever treats a stream's indices as updates. They sit in this 
 Any stage of your own may sit between them if it takes and returns such a pytree: a reduction
 of your own in place of :func:`reduce_streams`, a sparsifier of your own inside
 :func:`error_feedback`. :func:`sparcml_jax.allreduce_gradients` is these stages, chained.
+
+Cookbook (each runs as one process, where every sum is this rank's own contribution):
+
+A sparsifier of your own is a callable ``(v, k, key) -> SparseStream`` of at most ``k`` entries:
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> import sparcml_jax
+  >>> def largest_values(v, k, key):  # the k largest values, not magnitudes
+  ...     chosen = jnp.sort(jax.lax.top_k(v, k)[1]).astype(jnp.int32)
+  ...     return sparcml_jax.gather(v, chosen, jnp.int32(k))
+  >>> params = {"w": jnp.zeros(4)}
+  >>> tx = sparcml_jax.allreduce_gradients(sparsifier=largest_values, k=1, min_size=0)
+  >>> tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.0])}, tx.init(params))[0]["w"].tolist()
+  [0.0, 0.0, 2.0, 0.0]
+
+Error feedback alone, before a reduction of your own (here: densify, then whatever sums):
+
+  >>> tx = optax.chain(sparcml_jax.error_feedback(sparcml_jax.sparsify(k=1)), sparcml_jax.densify())
+  >>> state = tx.init(params)
+  >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.0])}, state, params)
+  >>> sent["w"].tolist(), state[0].residual["w"].tolist()
+  ([0.0, -5.0, 0.0, 0.0], [1.0, 0.0, 2.0, 0.0])
+
+A density per layer, and layers kept out of compression (exact sums of their nonzeros, as CGX
+and DGC leave the first and last layers), with ``optax.partition``:
+
+  >>> params = {"embed": jnp.zeros(1000), "head": jnp.zeros(10)}
+  >>> tx = optax.partition({"sparse": sparcml_jax.allreduce_gradients(density=0.01, min_size=0),
+  ...                       "exact": sparcml_jax.allreduce_gradients()},
+  ...                      {"embed": "sparse", "head": "exact"})
+  >>> state = tx.init(params)
+  >>> grads = {"embed": jnp.ones(1000), "head": jnp.ones(10)}
+  >>> updates, state = tx.update(grads, state, params)
+  >>> int((updates["embed"] != 0).sum()), int((updates["head"] != 0).sum())
+  (10, 10)
+
+Logging the stats, wherever they sit in the optimizer state:
+
+  >>> stats = optax.tree_utils.tree_get(state.inner_states["sparse"], "stats")
+  >>> float(stats.density), int(stats.algorithm) >= -1
+  (0.009999999776482582, True)
 """
 
 from __future__ import annotations
