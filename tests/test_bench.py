@@ -28,7 +28,9 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
                                               "ssar_recursive_doubling", "ssar_split_allgather",
                                               "dsar_split_allgather", "sparse_ring", "auto"}
     for r in rows:
-        assert r["P"] == 2 and r["bytes_sent_max"] > 0 and 0 <= r["result_density"] <= 1
+        assert r["P"] == 2
+        if r["bytes_sent_max"] is not None:  # the sparse runs: something sent, a density of the result
+            assert r["bytes_sent_max"] > 0 and 0 < r["result_density"] <= 1
         assert (r["auto_over_best_fixed"] is not None) == (r["algorithm"] == "auto")
     report = subprocess.run([sys.executable, "-m", "sparcml_jax.bench", "report", str(out), "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
