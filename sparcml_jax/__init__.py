@@ -13,6 +13,8 @@ from sparcml_jax.collectives import (
     sparse_allgather,
     sparse_allreduce,
 )
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
+from sparcml_jax.collectives.global_topk import GlobalTopkStats, global_topk_allreduce
 from sparcml_jax.collectives.nonblocking import (
     OVERLAP_COMPILER_OPTIONS,
     AllreduceHandle,
@@ -54,11 +56,13 @@ from sparcml_jax import sparsifiers
 
 __all__ = [
     "ALGORITHMS",
+    "GLOBAL_TOPK_ALGORITHMS",
     "OVERLAP_COMPILER_OPTIONS",
     "AllreduceHandle",
     "AllreduceGradientsState",
     "AllreduceStats",
     "CostModel",
+    "GlobalTopkStats",
     "GradientStats",
     "QuantizedVector",
     "SparseStream",
@@ -73,6 +77,7 @@ __all__ = [
     "from_dense_reference",
     "gather",
     "gather_reference",
+    "global_topk_allreduce",
     "lazy",
     "merge",
     "merge_capacity",
