@@ -13,6 +13,8 @@ from sparcml_jax.collectives import (
     sparse_allgather,
     sparse_allreduce,
 )
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
+from sparcml_jax.collectives.global_topk import GlobalTopkStats, global_topk_allreduce
 from sparcml_jax.collectives.nonblocking import (
     OVERLAP_COMPILER_OPTIONS,
     AllreduceHandle,
@@ -67,11 +69,13 @@ from sparcml_jax import sparsifiers
 
 __all__ = [
     "ALGORITHMS",
+    "GLOBAL_TOPK_ALGORITHMS",
     "AllreduceGradientsState",
     "AllreduceHandle",
     "AllreduceStats",
     "CostModel",
     "ErrorFeedbackState",
+    "GlobalTopkStats",
     "GradientStats",
     "LeafGroups",
     "LeafPlan",
@@ -94,6 +98,7 @@ __all__ = [
     "fuse_leaves",
     "gather",
     "gather_reference",
+    "global_topk_allreduce",
     "lazy",
     "merge",
     "merge_capacity",

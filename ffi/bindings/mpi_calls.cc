@@ -87,12 +87,14 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
                    ffi::Buffer<ffi::U32> key, ffi::Token, ffi::ResultBuffer<ffi::S32> ridx,
                    ffi::ResultBuffer<ffi::F32> rval, ffi::ResultBufferR0<ffi::S32> rnnz,
                    ffi::ResultBufferR0<ffi::S32> ralgorithm, ffi::ResultBufferR0<ffi::F32> rsent,
-                   ffi::ResultBufferR0<ffi::S32> rdense_round, ffi::Result<ffi::Token>, int64_t comm, int64_t n,
-                   double delta, ffi::Span<const int64_t> program, int64_t result, int64_t algorithm,
-                   ffi::Span<const int64_t> signature, int64_t hash, std::string_view fields, int64_t rejected) {
+                   ffi::ResultBufferR0<ffi::S32> rdense_round, ffi::ResultBuffer<ffi::F32> rresidual,
+                   ffi::Result<ffi::Token>, int64_t comm, int64_t n, double delta, ffi::Span<const int64_t> program,
+                   int64_t result, int64_t algorithm, ffi::Span<const int64_t> signature, int64_t hash,
+                   std::string_view fields, int64_t rejected, int64_t residual) {
   sparcml::Channels& channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
   ProgramArgs args = MakeArgs(channels.blocking, channels.blocking_calls++, false, n, delta, program, result, algorithm,
                               signature, hash, fields, rejected, key.typed_data());
+  args.residual_register = residual;
   int rank = RankOf(channels.blocking);
   std::string input_error;
   Stream input = InputStream(idx.typed_data(), val.typed_data(), nnz.typed_data()[0],
@@ -100,6 +102,11 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
   sparcml::Output out{ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(ridx->element_count())};
   ProgramResult r = sparcml::RunProgram(args, input, input_error, out);
   if (!r.error.empty()) return Failure("sparse collective", rank, r.error);
+  if (residual >= 0) {
+    if (static_cast<int64_t>(rresidual->element_count()) != r.residual.n)
+      return Failure("sparse collective", rank, "internal error: the residual's buffer does not match its length");
+    sparcml::StoreDense(r.residual, rresidual->typed_data());
+  }
   if (result >= 0) {
     sparcml::StoreStream(r.stream, out.idx, out.val, out.capacity);
     rnnz->typed_data()[0] = static_cast<int32_t>(r.stream.dense ? r.stream.n : r.stream.nnz);
@@ -272,8 +279,16 @@ SPARCML_EXPORT int SparcmlEngineShutdown(double timeout_seconds) {
   .Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<         \
       ffi::BufferR0<ffi::S32>>().Ret<ffi::BufferR0<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<ffi::Token>()
 
+// run also returns a global top-k's dense residual (an empty buffer for the other programs).
+#define RUN_RESULTS                                                                                      \
+  .Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<         \
+      ffi::BufferR0<ffi::S32>>().Ret<ffi::BufferR0<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<      \
+      ffi::Buffer<ffi::F32>>().Ret<ffi::Token>()
+
 SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiRun(XLA_FFI_CallFrame*);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiRun, RunImpl, ffi::Ffi::Bind() STREAM_IN.Arg<ffi::Token>() RESULTS PROGRAM_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiRun, RunImpl,
+                              ffi::Ffi::Bind() STREAM_IN.Arg<ffi::Token>() RUN_RESULTS PROGRAM_ATTRS
+                                  .Attr<int64_t>("residual"));
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlEngineStart(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlEngineStart, StartImpl,

@@ -8,6 +8,7 @@
 #include "merge.h"
 #include "partition.h"
 #include "qsgd.h"
+#include "topk.h"
 
 namespace sparcml {
 
@@ -83,8 +84,8 @@ class Interpreter {
         break;
       }
       case kAllgather:
-        if (w[4] == kPairs) {
-          AllgatherPairs(dst, cap, w[3]);
+        if (w[4] == kPairs || w[4] == kSelectedPairs) {
+          AllgatherPairs(dst, cap, w[3], w[4] == kSelectedPairs);
         } else {
           AllgatherDense(dst, w[3], w[4] == kQuantized ? static_cast<int>(w[5]) : 0, w[6], static_cast<int>(w[7]));
         }
@@ -101,6 +102,13 @@ class Interpreter {
         break;
       }
       case kFree: Reg(w[3]) = Stream{}; break;
+      case kSelect: Select(dst, cap, w[3], w[4]); break;
+      case kAddLocal: {
+        Stream a = Reg(w[3]), b = Reg(w[4]);
+        Reg(dst) = Add(a, b, cap, dst);
+        break;
+      }
+      case kResidual: Residual(dst, w[3], w[4], w[5]); break;
       default: throw std::runtime_error("unknown instruction " + std::to_string(w[0]));
     }
   }
@@ -261,6 +269,14 @@ class Interpreter {
     return r;
   }
 
+  Range PairsOf(const Stream& s) const {
+    Range r;
+    r.header = call_.Make(call_.failed() ? 0 : s.nnz, false);
+    r.idx = s.idx;
+    r.val = s.val;
+    return r;
+  }
+
   Stream AsStream(const Range& r, int64_t length, int64_t cap) const {
     Stream s;
     s.n = length;
@@ -276,7 +292,9 @@ class Interpreter {
   // --- the operations (comm/native.py documents each).
 
   void Exchange(int64_t dst, int64_t cap, int64_t send, int64_t into, int dest, int source, int64_t combine) {
-    Stream kept = Reg(into);
+    bool hand_over = combine & kHandOver;
+    combine &= ~kHandOver;
+    Stream kept = hand_over && dest >= 0 ? Empty(Reg(into).n, cap) : Reg(into);
     if (dest >= 0) {
       const Stream& s = Reg(send);
       call_.Send(dest, HeaderOf(s), s.idx, s.val);
@@ -358,11 +376,11 @@ class Interpreter {
     if (c) std::memcpy(w.val + offset, part.val, c * sizeof(float));
   }
 
-  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src) {
+  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src, bool as_pairs) {
     const Stream part = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = args_.n;
-    Range own = RangeOf(part, 0, part.n);  // pairs, or the dense slice when no larger
+    Range own = as_pairs ? PairsOf(part) : RangeOf(part, 0, part.n);  // else the dense slice when no larger
     for (int i = 1; i < p; ++i) call_.Send((me + i) % p, own.header, own.idx, own.val);
     std::vector<Call::Message> messages(p);
     int64_t total = own.header.count;
@@ -567,6 +585,66 @@ class Interpreter {
     AfterRound(dst, true);
   }
 
+  // The top `cap` entries of a register by magnitude (ties to the lower index), as pairs; the
+  // rest stays in its representation: a dense register with those entries zeroed, or the pairs
+  // without them.
+  void Select(int64_t kept_reg, int64_t cap, int64_t src, int64_t rest_reg) {
+    const Stream s = Reg(src);
+    int64_t count = s.dense ? s.n : s.nnz, take = std::min(cap, count);
+    Stream kept = Empty(s.n, cap), rest = Empty(s.n, s.capacity);
+    if (!call_.failed()) {
+      Scratch<int32_t> position(std::max<int64_t>(take, 1));
+      Writable k = Allocate(kept, kept_reg, s.n, take, false);
+      char err[SPARCML_ERRLEN] = {0};
+      if (sparcml_topk(s.val, count, take, position.data(), k.val, err)) {
+        Fail(err);
+      } else {
+        for (int64_t j = 0; j < take; ++j) k.idx[j] = s.dense ? position[j] : s.idx[position[j]];
+        kept.nnz = take;
+        Writable r = Allocate(rest, rest_reg, s.n, s.dense ? 0 : count - take, s.dense);
+        if (s.dense) {
+          std::memcpy(r.val, s.val, s.n * sizeof(float));
+          for (int64_t j = 0; j < take; ++j) r.val[position[j]] = 0.0f;
+          rest.nnz = s.n;
+        } else {
+          int64_t out = 0;
+          for (int64_t i = 0, j = 0; i < count; ++i) {
+            if (j < take && position[j] == i) {
+              ++j;
+              continue;
+            }
+            r.idx[out] = s.idx[i];
+            r.val[out++] = s.val[i];
+          }
+          rest.nnz = out;
+        }
+      }
+    }
+    kept.capacity = cap;
+    rest.capacity = s.capacity;
+    Reg(kept_reg) = kept;
+    Reg(rest_reg) = rest;
+  }
+
+  void Residual(int64_t dst, int64_t input, int64_t held_reg, int64_t total_reg) {
+    const Stream x = Reg(input), held = Reg(held_reg), total = Reg(total_reg);
+    int64_t n = x.n;
+    Stream out = Empty(n, n);
+    if (!call_.failed()) {
+      Writable w = Allocate(out, dst, n, 0, true);
+      StoreDense(x, w.val);
+      Scratch<float> kept(std::max<int64_t>(n, 1));
+      StoreDense(held, kept.data());
+      int64_t count = total.dense ? total.n : total.nnz;
+      for (int64_t j = 0; j < count; ++j) {
+        int64_t i = total.dense ? j : total.idx[j];
+        if (total.val[j] != 0.0f) w.val[i] = kept[i];
+      }
+      out.nnz = n;
+    }
+    Reg(dst) = out;
+  }
+
   const ProgramArgs& args_;
   Call& call_;
   Output output_;
@@ -590,6 +668,15 @@ void StoreStream(const Stream& s, int32_t* idx, float* val, int64_t capacity) {
     if (val != s.val) std::memmove(val, s.val, count * sizeof(float));
   }
   sparcml_pad_tail(idx, val, count, capacity, s.n);
+}
+
+void StoreDense(const Stream& s, float* out) {
+  if (s.dense) {
+    if (out != s.val) std::memcpy(out, s.val, s.n * sizeof(float));
+    return;
+  }
+  std::memset(out, 0, s.n * sizeof(float));
+  for (int64_t j = 0; j < s.nnz; ++j) out[s.idx[j]] = s.val[j];
 }
 
 ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::string& input_error, Output output) {
@@ -630,6 +717,7 @@ ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::strin
       result.error = "another rank rejected its arguments (see its error)";
     }
   } else if (args.result_register >= 0) {
+    if (args.residual_register >= 0) result.residual = run.Reg(args.residual_register);
     result.stream = run.Reg(args.result_register);
     int64_t count = result.stream.dense ? result.stream.n : result.stream.nnz;
     if (output.val && count > output.capacity) {

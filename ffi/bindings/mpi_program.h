@@ -27,10 +27,15 @@ enum Op : int64_t {
   kChoose = 9,         // a: choices; then one row {bound, algorithm, instructions} per choice, then the branches
   kMove = 10,          // a: source register (a new name, a new capacity, the same data)
   kFree = 11,          // a: register
+  kSelect = 12,        // dst: the top `capacity` entries (pairs), a: source register, b: register of the rest
+  kAddLocal = 13,      // a + b on this rank: a: register, b: register
+  kResidual = 14,      // a: input, b: held, c: result; dense: b where c is nonzero, a elsewhere
 };
 constexpr int kWords = 8;
-enum Combine : int64_t { kAdd = 1, kReplace = 2 };
-enum GatherMode : int64_t { kPairs = 0, kDenseSlices = 1, kQuantized = 2 };
+// kExchange's combine; with kHandOver a rank that sends is left with what it receives, or nothing.
+enum Combine : int64_t { kAdd = 1, kReplace = 2, kHandOver = 4 };
+// kSelectedPairs: parts travel as their pairs (a global top-k's selections), never as dense slices.
+enum GatherMode : int64_t { kPairs = 0, kDenseSlices = 1, kQuantized = 2, kSelectedPairs = 3 };
 
 // A stream register: sorted pairs over [0, n), or a dense array of n values (no indices).
 struct Stream {
@@ -50,6 +55,7 @@ struct Output {
 
 struct ProgramResult {
   Stream stream;          // the result (in `Output` when given)
+  Stream residual;        // a global top-k's dense residual (when the program has one)
   int32_t algorithm = -1;
   int32_t dense_round = -1;
   double sent = 0;
@@ -64,6 +70,7 @@ struct ProgramArgs {
   Signature signature;
   std::vector<int64_t> code;
   int64_t result_register = 0;  // -1: the program has no result (an agreement)
+  int64_t residual_register = -1;  // a global top-k's residual; -1: none
   int32_t algorithm = -1;  // reported unless a kChoose picks one
   int64_t n = 0;
   double delta = 1.0;
@@ -76,5 +83,8 @@ ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::strin
 
 // Writes a result stream into caller buffers of `capacity` (pairs, or indices 0..n-1 and the values).
 void StoreStream(const Stream& s, int32_t* idx, float* val, int64_t capacity);
+
+// Writes s as its n dense values.
+void StoreDense(const Stream& s, float* out);
 
 }  // namespace sparcml

@@ -89,6 +89,8 @@ Call::Call(MPI_Comm comm, int tag, Signature signature, bool background)
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &nprocs_);
   abort_seen_.assign(nprocs_, 0);
+  early_.resize(nprocs_);
+  payloads_due_.assign(nprocs_, 0);
 }
 
 Call::~Call() {
@@ -164,22 +166,47 @@ Call::Message Call::Take(MPI_Message* message, const MPI_Status& status) {
   MPI_Imrecv(m.data.data(), bytes, MPI_BYTE, message, &request);
   Await(&request, 1);
   std::memcpy(&m.h, m.data.data(), std::min<size_t>(sizeof m.h, m.data.size()));
+  if (m.h.count > 0 && !m.h.inline_payload) ++payloads_due_[status.MPI_SOURCE];
   return m;
 }
 
 Call::Message Call::ReceiveRaw(int source) {
+  if (!early_[source].empty()) {
+    Message m = std::move(early_[source].front());
+    early_[source].pop_front();
+    return m;
+  }
   MPI_Message message;
   MPI_Status st;
-  if (background_) {
-    for (Backoff backoff;; backoff.Pause()) {
-      int found = 0;
-      MPI_Improbe(source, tag_, comm_, &found, &message, &st);
-      if (found) break;
+  Backoff backoff;
+  for (int polls = 1;; ++polls) {
+    int found = 0;
+    MPI_Improbe(source, tag_, comm_, &found, &message, &st);
+    if (found) return Take(&message, st);
+    if (polls % kSpinPolls == 0 && !aborted_) WatchOthers({source});  // (a drain takes everything anyway)
+    if (background_) {
+      backoff.Pause();
+    } else if (polls >= kSpinPolls) {
+      std::this_thread::yield();  // a peer that shares this core may need it to send
     }
-  } else {
-    MPI_Mprobe(source, tag_, comm_, &message, &st);
   }
-  return Take(&message, st);
+}
+
+// A rank that waits for one peer also looks at the headers the others have sent it: when ranks run
+// different schedules, the message that tells them so may come from a peer this rank would only
+// hear from later (it may wait for a rank that waits for it). A legitimate header is kept for its
+// turn; a header of another signature, or an abort notice, aborts the call here.
+void Call::WatchOthers(const std::vector<int>& awaited) {
+  for (int q = 0; q < nprocs_; ++q) {
+    if (q == rank_ || abort_seen_[q] || payloads_due_[q] || !early_[q].empty() ||
+        std::find(awaited.begin(), awaited.end(), q) != awaited.end())
+      continue;
+    MPI_Message message;
+    MPI_Status st;
+    int found = 0;
+    MPI_Improbe(q, tag_, comm_, &found, &message, &st);
+    if (found) early_[q].push_back(Check(q, Take(&message, st)));
+  }
 }
 
 Call::Message Call::Check(int source, Message m) {
@@ -201,7 +228,13 @@ Call::Message Call::ReceiveFirst(std::vector<int>* pending, int* source) {
   MPI_Message message;
   MPI_Status st;
   Backoff backoff;
-  for (int sweeps = 0;; ++sweeps) {
+  for (size_t i = 0; i < pending->size(); ++i) {
+    if (early_[(*pending)[i]].empty()) continue;
+    *source = (*pending)[i];
+    pending->erase(pending->begin() + static_cast<std::ptrdiff_t>(i));
+    return Receive(*source);
+  }
+  for (int sweeps = 1;; ++sweeps) {
     for (size_t i = 0; i < pending->size(); ++i) {
       int found = 0;
       MPI_Improbe((*pending)[i], tag_, comm_, &found, &message, &st);
@@ -210,6 +243,7 @@ Call::Message Call::ReceiveFirst(std::vector<int>* pending, int* source) {
       pending->erase(pending->begin() + static_cast<std::ptrdiff_t>(i));
       return Check(*source, Take(&message, st));
     }
+    if (sweeps % kSpinPolls == 0 && !aborted_) WatchOthers(*pending);
     if (background_) {
       backoff.Pause();
     } else if (sweeps >= kSpinPolls) {
@@ -246,6 +280,7 @@ void Call::Payload(int source, const Message& m, int32_t* idx, float* val) {
   if (!h.dense) MPI_Irecv(idx, static_cast<int>(count * sizeof(int32_t)), MPI_BYTE, source, tag_, comm_, &requests[n++]);
   MPI_Irecv(val, static_cast<int>(count * sizeof(float)), MPI_BYTE, source, tag_, comm_, &requests[n++]);
   Await(requests, n);
+  --payloads_due_[source];
 }
 
 // Recursive doubling of headers (ranks past the largest power of two fold into it first): every

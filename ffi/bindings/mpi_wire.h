@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <deque>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -154,6 +155,7 @@ class Call {
   Message ReceiveRaw(int source);
   Message Take(MPI_Message* message, const MPI_Status& status);
   Message Check(int source, Message m);
+  void WatchOthers(const std::vector<int>& awaited);
 
   MPI_Comm comm_;
   int tag_, rank_, nprocs_;
@@ -164,6 +166,10 @@ class Call {
   bool agreed_ = false, aborted_ = false;
   int64_t nnz_max_ = 0;
   std::vector<char> abort_seen_;
+  // Headers taken ahead of their turn (see WatchOthers), and per source the payloads that still
+  // follow headers already taken: a source's next message is a header only when none does.
+  std::vector<std::deque<Message>> early_;
+  std::vector<int> payloads_due_;
   std::vector<MPI_Request> sends_;
   std::vector<std::unique_ptr<Bytes>> send_buffers_;
 };

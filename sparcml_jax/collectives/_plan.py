@@ -12,12 +12,15 @@ from mpi4py import MPI
 # Every algorithm is a module of this package named after it, holding its one definition under
 # that name; its index here is its code in AllreduceStats.algorithm.
 ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
+# The global top-k allreduces (their result keeps about k entries, the rest goes to residuals).
+GLOBAL_TOPK_ALGORITHMS = ("spardl", "gtopk")
 QUANTIZE_BITS = (2, 4, 8)
 QUANTIZE_SCALES = ("max", "l2")
 
 
 def definition(name: str) -> Callable:
-    """The definition of algorithm ``name``: ``f(transport, stream, **options) -> stream``."""
+    """The definition of algorithm ``name``: ``f(transport, stream, **options) -> stream``, or
+    for a global top-k one ``f(transport, x, k=k) -> (total, residual)``."""
     return getattr(importlib.import_module(f"sparcml_jax.collectives.{name}"), name)
 
 

@@ -39,6 +39,7 @@ class Transport(Protocol[S]):
       variable_length: messages carry only their valid entries (else whole static buffers).
       nonblocking: can run a whole algorithm between a start and a wait.
       nprocs: ranks taking part.
+      size: length of the vector being reduced.
       delta: SparCML's dense switch: a stream of N entries is dense once ``8 nnz >= delta 4 N``.
     """
 
@@ -46,11 +47,13 @@ class Transport(Protocol[S]):
     variable_length: bool
     nonblocking: bool
     nprocs: int
+    size: int
     delta: float
 
-    def exchange(self, s: S, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> S:
+    def exchange(self, s: S, pairs: Sequence[tuple[int, int]], *, combine: Combine, keep: bool = True) -> S:
         """Every (source, dest) pair: ``source`` sends its stream to ``dest``, which adds it to
-        its own or replaces its own with it. Ranks in no pair keep theirs."""
+        its own or replaces its own with it. Ranks in no pair keep theirs; with ``keep=False`` a
+        rank that sends is left with what it receives, or an empty stream (it handed its over)."""
 
     def ring_pass(self, segments: list[S], *, send: int, into: int, combine: Combine) -> list[S]:
         """Rank r sends ``segments[(r + send) % P]`` to rank r + 1 and combines what rank r - 1
@@ -76,6 +79,30 @@ class Transport(Protocol[S]):
 
     def concat(self, segments: list[S]) -> S:
         """This rank's segments over the P ranges, joined into one stream."""
+
+    # The global top-k algorithms (SparDL, gTop-k) re-select inside the collective.
+
+    def select(self, s: S, k: int) -> tuple[S, S]:
+        """(The ``min(k, entries)`` entries of ``s`` of largest magnitude as sorted pairs, ties to
+        the lower index as in :func:`sparcml_jax.topk`; the rest of ``s``, in its representation.)"""
+
+    def add(self, a: S, b: S) -> S:
+        """``a + b`` on this rank, in ``a``'s capacity (which must hold the sum)."""
+
+    def pass_blocks(self, blocks: list[S], *, distance: int, count: int, budgets: Sequence[int]) -> list[S]:
+        """One round of SparDL's Spar-Reduce-Scatter among teams of B = ``len(blocks)``
+        consecutive ranks, block q belonging to the rank at position q of its team. The rank at
+        position q sends the top ``budgets[b]`` entries of each of its blocks b = q + distance + j
+        (j < ``count``, mod B) to the rank at q + distance and keeps the rest in them; it adds
+        what the rank at q - distance sends into its blocks q + j."""
+
+    def select_owned(self, blocks: list[S], budgets: Sequence[int]) -> tuple[S, list[S]]:
+        """(The top ``budgets[q]`` entries of this rank's own block q, as a part for
+        :meth:`allgather`; the blocks with the rest left in the owned one.)"""
+
+    def residual(self, x: S, held: S, total: S) -> S:
+        """SparDL's global residual collection: ``held`` where ``total`` is nonzero and ``x``
+        elsewhere, as a dense stream."""
 
 
 def transport_names() -> tuple[str, ...]:

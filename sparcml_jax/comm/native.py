@@ -32,17 +32,19 @@ from mpi4py import MPI
 from sparcml_jax import _lib
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
-from sparcml_jax.comm.topology import (check_pairs, concatenated_capacity, exchange_capacity, gathered_capacity,
-                                       grown_capacity, part_capacity, part_length, peers_of, ring_segments,
-                                       segment_capacities)
+from sparcml_jax.comm.topology import (allgather_capacities, block_peers, check_pairs, concatenated_capacity,
+                                       exchange_capacity, grown_capacity, part_capacity, part_length, peers_of,
+                                       ring_segments, segment_capacities)
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 NAME = "native"
 # Instruction words {op, dst, capacity, a, b, c, d, e}: keep in step with ffi/bindings/mpi_program.h.
 WORDS = 8
-EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE = range(1, 12)
+(EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE, SELECT, ADD_LOCAL,
+ RESIDUAL) = range(1, 15)
 COMBINE = {"add": 1, "replace": 2}
-PAIRS, DENSE_SLICES, QUANTIZED = 0, 1, 2
+HAND_OVER = 4
+PAIRS, DENSE_SLICES, QUANTIZED, SELECTED_PAIRS = 0, 1, 2, 3
 SCALES = {"max": 0, "l2": 1}
 # How long exit waits for reductions in flight (their peers must run them too).
 EXIT_TIMEOUT_ENV = "SPARCML_JAX_EXIT_TIMEOUT"
@@ -60,23 +62,27 @@ class Register:
       size: length of its index space (a range's length for a part of a reduce-scatter).
       capacity: its static capacity.
       source_capacity: for a part, the capacity of the stream it was reduced from (-1 otherwise).
+      slot: for a selected part, the pairs every rank's part has room for (-1 otherwise).
     """
 
     id: int
     size: int
     capacity: int
     source_capacity: int = -1
+    slot: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """A recorded algorithm: its instructions, and where its result is (``result`` -1: none)."""
+    """A recorded algorithm: its instructions, and where its result is (``result`` -1: none)
+    and a global top-k's residual (``residual`` -1: none)."""
 
     code: tuple[int, ...]
     result: int
     size: int
     capacity: int
     algorithm: int = -1  # ALGORITHMS code; -1 when the program chooses (then it reports its choice)
+    residual: int = -1
 
 
 class Recorder:
@@ -99,11 +105,12 @@ class Recorder:
     def emit(self, op: int, dst: int = 0, capacity: int = 0, *args: int) -> None:
         self.code += [op, dst, capacity, *args, *[0] * (WORDS - 3 - len(args))]
 
-    def exchange(self, s: Register, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Register:
+    def exchange(self, s: Register, pairs: Sequence[tuple[int, int]], *, combine: Combine,
+                 keep: bool = True) -> Register:
         check_pairs(pairs, self.nprocs)
         dest, source = peers_of(pairs, self.rank)
         out = self._new(s.size, exchange_capacity(s.capacity, s.size, combine, self.delta))
-        self.emit(EXCHANGE, out.id, out.capacity, s.id, s.id, dest, source, COMBINE[combine])
+        self.emit(EXCHANGE, out.id, out.capacity, s.id, s.id, dest, source, COMBINE[combine] | (0 if keep else HAND_OVER))
         return out
 
     def ring_pass(self, segments: list[Register], *, send: int, into: int, combine: Combine) -> list[Register]:
@@ -132,8 +139,9 @@ class Recorder:
             out = self._new(n, n)
             self.emit(ALLGATHER, out.id, n, part.id, DENSE_SLICES)
         else:
-            out = self._new(n, gathered_capacity(part.source_capacity, n, self.nprocs, self.delta))
-            self.emit(ALLGATHER, out.id, out.capacity, part.id, PAIRS)
+            _, capacity = allgather_capacities(part.source_capacity, part.slot, n, self.nprocs, self.delta)
+            out = self._new(n, capacity)
+            self.emit(ALLGATHER, out.id, out.capacity, part.id, SELECTED_PAIRS if part.source_capacity < 0 else PAIRS)
         return out
 
     def allreduce(self, s: Register) -> Register:
@@ -161,13 +169,50 @@ class Recorder:
         self.emit(CONCAT, out.id, out.capacity, block[0].id)
         return out
 
+    def select(self, s: Register, k: int, **part: int) -> tuple[Register, Register]:
+        kept = self._new(s.size, min(k, s.capacity, s.size), **part)
+        rest = self._new(s.size, s.capacity)
+        self.emit(SELECT, kept.id, kept.capacity, s.id, rest.id)
+        return kept, rest
+
+    def add(self, a: Register, b: Register) -> Register:
+        out = self._new(a.size, a.capacity)
+        self.emit(ADD_LOCAL, out.id, out.capacity, a.id, b.id)
+        return out
+
+    def pass_blocks(self, blocks: list[Register], *, distance: int, count: int,
+                    budgets: Sequence[int]) -> list[Register]:
+        width, out = len(blocks), list(blocks)
+        dest, source = block_peers(self.rank, width, distance)
+        for j in range(count):
+            send, into = (self.rank + distance + j) % width, (self.rank + j) % width
+            kept, out[send] = self.select(out[send], budgets[send])
+            target = out[into]
+            out[into] = self._new(target.size, target.capacity)
+            self.emit(EXCHANGE, out[into].id, target.capacity, kept.id, target.id, dest, source, COMBINE["add"])
+        return out
+
+    def select_owned(self, blocks: list[Register], budgets: Sequence[int]) -> tuple[Register, list[Register]]:
+        width, out = len(blocks), list(blocks)
+        slot = max(min(budgets[q], b.capacity, b.size) for q, b in enumerate(blocks))
+        own = self.rank % width
+        part, out[own] = self.select(out[own], budgets[own], source_capacity=-1, slot=slot)
+        return part, out
+
+    def residual(self, x: Register, held: Register, total: Register) -> Register:
+        out = self._new(x.size, x.size)
+        self.emit(RESIDUAL, out.id, out.capacity, x.id, held.id, total.id)
+        return out
+
 
 def record(algorithm: Callable[..., Register], *, rank: int, nprocs: int, delta: float, size: int, capacity: int,
            code: int, **options: Any) -> Program:
-    """Records ``algorithm(transport, stream, **options)`` for this rank."""
+    """Records ``algorithm(transport, stream, **options)`` for this rank (a global top-k returns
+    its result and its residual)."""
     rec = Recorder(rank, nprocs, delta, size)
     out = algorithm(rec, Register(0, size, capacity), **options)
-    return Program(tuple(rec.code), out.id, size, out.capacity, code)
+    out, residual = out if isinstance(out, tuple) else (out, None)
+    return Program(tuple(rec.code), out.id, size, out.capacity, code, -1 if residual is None else residual.id)
 
 
 def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dict]], *, rank: int, nprocs: int,
@@ -207,7 +252,8 @@ class Signature:
     def of(cls, collective: str | None, **fields: Any) -> "Signature":
         """``collective=None`` is a rejected call (its rank raised on its arguments)."""
         values = {"argument error": 0 if collective else 1,
-                  "collective": {"allreduce": 1, "allgather": 2, "calibrate": 3, None: -1}[collective]}
+                  "collective": {"allreduce": 1, "allgather": 2, "calibrate": 3, "global_topk": 4,
+                                 None: -1}[collective]}
         for name, value in fields.items():
             if isinstance(value, float):
                 value = struct.unpack("<q", struct.pack("<d", value))[0]
@@ -231,8 +277,11 @@ def _results(capacity: int):
             _ShapedArray((), INDEX_DTYPE)]
 
 
-_run_p = ordered_ffi_primitive("sparcml_run", "sparcml_mpi_run", "SparcmlMpiRun",
-                               lambda *avals, capacity, **_: _results(int(capacity)), shape_params=("capacity",))
+_run_p = ordered_ffi_primitive(
+    "sparcml_run", "sparcml_mpi_run", "SparcmlMpiRun",
+    lambda *avals, capacity, residual_size, **_: [*_results(int(capacity)),
+                                                  _ShapedArray((int(residual_size),), VALUE_DTYPE)],
+    shape_params=("capacity", "residual_size"))
 _start_p = ordered_ffi_primitive("sparcml_engine_start", "sparcml_engine_start", "SparcmlEngineStart",
                                  lambda *avals, **_: [_ShapedArray((), INDEX_DTYPE)])
 _wait_p = ordered_ffi_primitive("sparcml_engine_wait", "sparcml_engine_wait", "SparcmlEngineWait",
@@ -254,11 +303,24 @@ def run(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signatu
     """Runs ``program`` on this rank's stream, on the calling thread. Returns (result, algorithm
     code, bytes sent, dense round); for a program without a result, the result's nnz is the
     largest nnz over ranks and its buffers are empty."""
+    result, algorithm, sent, dense_round, _ = _bind_run(program, s, comm, signature, delta, key_words, rejected)
+    return result, algorithm, sent, dense_round
+
+
+def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float):
+    """Runs a global top-k's ``program`` on this rank's dense input. Returns (result, this rank's
+    dense residual, bytes sent)."""
+    result, _, sent, _, residual = _bind_run(program, x, comm, signature, delta, None, False)
+    return result, residual, sent
+
+
+def _bind_run(program: Program, s: SparseStream, comm, signature, delta, key_words, rejected):
     capacity = program.capacity if program.result >= 0 else 0
-    idx, val, nnz, algorithm, sent, dense_round = _run_p.bind(
+    idx, val, nnz, algorithm, sent, dense_round, residual = _run_p.bind(
         s.indices, s.values, s.nnz, _key_or_zeros(key_words), capacity=i64(capacity),
+        residual_size=i64(program.size if program.residual >= 0 else 0), residual=i64(program.residual),
         **_attributes(program, comm, signature, delta, rejected))
-    return SparseStream(idx, val, nnz, program.size), algorithm, sent, dense_round
+    return SparseStream(idx, val, nnz, program.size), algorithm, sent, dense_round, residual
 
 
 def agree(s: SparseStream, *, comm: MPI.Comm, signature: Signature, rejected: bool = False) -> jax.Array:

@@ -28,9 +28,9 @@ from typing import Sequence
 import numpy as np
 
 from sparcml_jax.comm import Combine, Quantize
-from sparcml_jax.comm.topology import (check_pairs, concatenated_capacity, exchange_capacity, gathered_capacity,
-                                       grown_capacity, largest_part_capacity, longest_part, part_bounds,
-                                       part_capacity, segment_capacities, segment_slot)
+from sparcml_jax.comm.topology import (allgather_capacities, block_peers, check_pairs, concatenated_capacity,
+                                       exchange_capacity, grown_capacity, longest_part, part_bounds, part_capacity,
+                                       segment_capacities, segment_slot)
 from sparcml_jax.stream import dense_threshold
 
 
@@ -44,6 +44,7 @@ class SimStream:
     idx: np.ndarray | None
     val: np.ndarray
     source_capacity: int = -1
+    slot: int = -1  # a selected part: the pairs every rank's part has room for
 
     @classmethod
     def pairs(cls, n: int, capacity: int, idx, val) -> "SimStream":
@@ -142,14 +143,18 @@ class Simulated:
 
     # --------------------------------------------------------------------------- operations
 
-    def exchange(self, s: Ranks, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Ranks:
+    def exchange(self, s: Ranks, pairs: Sequence[tuple[int, int]], *, combine: Combine, keep: bool = True) -> Ranks:
         check_pairs(pairs, self.nprocs)
         capacity = exchange_capacity(s[0].capacity, s[0].n, combine, self.delta)
         out = [dataclasses.replace(x, capacity=capacity) for x in s]
+        own = list(s)
+        for source, _ in pairs:
+            if not keep:
+                own[source] = out[source] = _empty(s[source].n, capacity)
         for source, dest in pairs:
             self.sent[source] += self._message(s[source])
             got = s[source]
-            out[dest] = (self._add(s[dest], got, capacity) if combine == "add"
+            out[dest] = (self._add(own[dest], got, capacity) if combine == "add"
                          else dataclasses.replace(got, capacity=capacity))
         return out
 
@@ -199,12 +204,12 @@ class Simulated:
             whole = SimStream(n, n, None, np.concatenate([x.to_dense() for x in part]))
             self.sent = [sent + (p - 1) * per_rank for sent in self.sent]
             return [dataclasses.replace(whole, val=whole.val.copy()) for _ in range(p)]
-        source = part[0].source_capacity
-        travelling = [self._travelling(x) for x in part]
-        slot = largest_part_capacity(source, n, p, self.delta)
+        # Selected parts travel as their pairs, so that the result holds just what was selected.
+        travelling = [x if x.source_capacity < 0 else self._travelling(x) for x in part]
+        slot, capacity = allgather_capacities(part[0].source_capacity, part[0].slot, n, p, self.delta)
         for r in range(p):
             self.sent[r] += (p - 1) * (self._message(travelling[r]) if self.wire == "native" else 8.0 + 8.0 * slot)
-        whole = self._concat(travelling, gathered_capacity(source, n, p, self.delta))
+        whole = self._concat(travelling, capacity)
         return [dataclasses.replace(whole) for _ in range(p)]
 
     def allreduce(self, s: Ranks) -> Ranks:
@@ -236,3 +241,72 @@ class Simulated:
     def concat(self, segments: list[Ranks]) -> Ranks:
         capacity = concatenated_capacity([seg[0].capacity for seg in segments], self.size, self.delta)
         return [self._concat([seg[r] for seg in segments], capacity) for r in range(self.nprocs)]
+
+    # --------------------------------------------------------------------------- global top-k
+
+    def select(self, s: Ranks, k: int) -> tuple[Ranks, Ranks]:
+        kept, rest = zip(*(_select(x, k) for x in s))
+        return list(kept), list(rest)
+
+    def add(self, a: Ranks, b: Ranks) -> Ranks:
+        return [self._add(x, y, x.capacity) for x, y in zip(a, b)]
+
+    def pass_blocks(self, blocks: list[Ranks], *, distance: int, count: int, budgets: Sequence[int]) -> list[Ranks]:
+        width = len(blocks)
+        out = [list(block) for block in blocks]
+        arriving = []
+        for r in range(self.nprocs):
+            dest, _ = block_peers(r, width, distance)
+            for j in range(count):
+                b = (r % width + distance + j) % width
+                kept, out[b][r] = _select(blocks[b][r], budgets[b])
+                self.sent[r] += self._message(kept)
+                arriving.append((b, dest, kept))
+        for b, dest, kept in arriving:  # the rank at q + distance adds it into its block (q + distance) + j
+            out[b][dest] = self._add(out[b][dest], kept, out[b][dest].capacity)
+        return out
+
+    def select_owned(self, blocks: list[Ranks], budgets: Sequence[int]) -> tuple[Ranks, list[Ranks]]:
+        width = len(blocks)
+        slot = max(min(budgets[q], blocks[q][0].capacity, blocks[q][0].n) for q in range(width))
+        out = [list(block) for block in blocks]
+        parts = []
+        for r in range(self.nprocs):
+            q = r % width
+            kept, out[q][r] = _select(blocks[q][r], budgets[q])
+            parts.append(dataclasses.replace(kept, source_capacity=-1, slot=slot))
+        return parts, out
+
+    def residual(self, x: Ranks, held: Ranks, total: Ranks) -> Ranks:
+        out = []
+        for own, h, t in zip(x, held, total):
+            values = own.to_dense()
+            chosen = t.to_dense() != 0
+            values[chosen] = h.to_dense()[chosen]
+            out.append(SimStream(own.n, own.n, None, values))
+        return out
+
+
+def _empty(n: int, capacity: int) -> SimStream:
+    return SimStream(n, capacity, np.zeros(0, np.int64), np.zeros(0, np.float32))
+
+
+def magnitude_key(values: np.ndarray) -> np.ndarray:
+    """:func:`sparcml_jax.topk`'s order: the IEEE-754 bits of |v| as an unsigned integer."""
+    return np.asarray(values, np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
+
+
+def _select(s: SimStream, k: int) -> tuple[SimStream, SimStream]:
+    """(Top min(k, entries) by magnitude, ties to the lower index, as pairs; the rest of s)."""
+    idx = np.arange(s.n) if s.dense else s.idx
+    take = min(k, len(idx))
+    order = np.lexsort((idx, -magnitude_key(s.val).astype(np.int64)))[:take]
+    chosen = np.sort(order)
+    kept = SimStream(s.n, min(k, s.capacity, s.n), idx[chosen].astype(np.int64), s.val[chosen].copy())
+    if s.dense:
+        values = s.val.copy()
+        values[chosen] = 0.0
+        return kept, SimStream(s.n, s.capacity, None, values)
+    rest = np.ones(len(idx), bool)
+    rest[chosen] = False
+    return kept, SimStream(s.n, s.capacity, s.idx[rest], s.val[rest])

@@ -104,3 +104,47 @@ def ring_segments(rank: int, nprocs: int, send: int, into: int) -> tuple[int, in
         raise ValueError(f"ring_pass: rank r + 1 combines what rank r sends, so send must be into + 1 "
                          f"(got send={send}, into={into})")
     return (rank + send) % nprocs, (rank + into) % nprocs
+
+
+def spar_reduce_scatter_rounds(blocks: int) -> list[tuple[int, int]]:
+    """(distance, blocks sent) of each round of SparDL's Spar-Reduce-Scatter over ``blocks``
+    ranks: n = ceil(log2 B) rounds that send B - 2^(n-1), 2^(n-2), ..., 2, 1 blocks (B - 1 in
+    all) at distances 2^(n-1), 2^(n-2), ..., 1. Any B, no folding."""
+    if blocks <= 1:
+        return []
+    n = (blocks - 1).bit_length()
+    distances = [1 << i for i in range(n - 1, -1, -1)]
+    return [(distances[0], blocks - distances[0])] + [(d, d) for d in distances[1:]]
+
+
+def block_peers(rank: int, blocks: int, distance: int) -> tuple[int, int]:
+    """(dest, source) of ``rank`` in a round at ``distance`` among teams of ``blocks``
+    consecutive ranks: the ranks ``distance`` positions ahead and behind in its own team."""
+    team, position = divmod(rank, blocks)
+    return team * blocks + (position + distance) % blocks, team * blocks + (position - distance) % blocks
+
+
+def tree_rounds(nprocs: int) -> list[list[tuple[int, int]]]:
+    """(source, dest) pairs of each round of a binomial-tree reduction to rank 0, any P: in
+    round j every rank r = m 2^(j+1) + 2^j hands its stream to r - 2^j."""
+    rounds, distance = [], 1
+    while distance < nprocs:
+        rounds.append([(r, r - distance) for r in range(distance, nprocs, 2 * distance)])
+        distance *= 2
+    return rounds
+
+
+def allgather_capacities(source_capacity: int, slot: int, size: int, parts: int, delta: float) -> tuple[int, int]:
+    """(Pairs of the static slot every part travels in, capacity of the result) of an allgather
+    of parts: parts of a reduce-scatter of streams of ``source_capacity``, or, when that is -1,
+    parts selected into at most ``slot`` pairs each."""
+    if source_capacity < 0:
+        return slot, grown_capacity(slot * parts, size, 1, delta)
+    return (largest_part_capacity(source_capacity, size, parts, delta),
+            gathered_capacity(source_capacity, size, parts, delta))
+
+
+def selection_budgets(k: int, size: int, parts: int) -> list[int]:
+    """Entries kept of each of the P ranges: ceil(k L_q / N), so that they add up to at most
+    k + P, and to every entry when k = N."""
+    return [-(-k * part_length(size, parts, q) // max(size, 1)) for q in range(parts)]

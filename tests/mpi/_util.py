@@ -21,7 +21,7 @@ from sparcml_jax import SparseStream
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
 NPROCS = COMM.Get_size()
-ERRORS = (ValueError, RuntimeError)  # JaxRuntimeError on a first call, ValueError on a warm jitted call
+ERRORS = (TypeError, ValueError, RuntimeError)  # argument errors; JaxRuntimeError on a first call, ValueError warm
 
 EXPLICIT = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
 ALGORITHMS_AND_AUTO = (*EXPLICIT, "auto")

@@ -1,0 +1,109 @@
+"""Multi-rank global top-k allreduce (run under mpirun -n P): every algorithm on both transports
+against the plain numpy references of tests/global_topk_reference.py, bit for bit on integer
+data; the exact books; the bounds on the result; the bytes each rank sends, against the
+simulated transport's count of the same definition; and bad input raising on every rank.
+
+Every rank generates every rank's input (seeded by rank), so each rank checks the whole
+reference without gathering the inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax.numpy as jnp
+from mpi4py import MPI
+import numpy as np
+import pytest
+from _util import COMM, NPROCS, RANK, TRANSPORTS, check_identical_on_all_ranks, expect_error_everywhere, run_and_agree
+
+from sparcml_jax import GLOBAL_TOPK_ALGORITHMS, SparseStream, global_topk_allreduce
+from sparcml_jax.collectives._plan import definition
+from sparcml_jax.comm.simulated import SimStream, Simulated
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
+from global_topk_reference import gtopk_reference, spardl_reference  # noqa: E402
+
+REFERENCES = {"spardl": spardl_reference, "gtopk": gtopk_reference}
+# (N, k): N = 1001 divides by none of 2..8; k = N is the dense sum; N = 3 is smaller than most P.
+CASES = ((1001, 0), (1001, 10), (1001, 1001), (3, 2))
+KINDS = ("random", "sparse", "ties")
+
+
+def accumulators(n: int, kind: str, seed: int) -> list[np.ndarray]:
+    out = []
+    for r in range(NPROCS):
+        rng = np.random.default_rng([seed, r])
+        x = (rng.integers(1, 20, n) * rng.choice([-1, 1], n)).astype(np.float32)
+        if kind == "sparse":  # most entries zero, unequal supports
+            x[rng.random(n) > 0.1 * (r + 1) / NPROCS] = 0.0
+        elif kind == "ties":
+            x = np.where(rng.random(n) < 0.5, -3.0, 3.0).astype(np.float32)
+        out.append(x)
+    return out
+
+
+def simulated_bytes(algorithm: str, transport: str, xs: list[np.ndarray], k: int) -> float:
+    n = xs[0].size
+    t = Simulated(NPROCS, n, wire=transport)
+    definition(algorithm)(t, [SimStream(n, n, None, x.copy()) for x in xs], k=k)
+    return t.sent[RANK]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
+def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
+    def body():
+        failures = []
+        for n, k in CASES:
+            for seed, kind in enumerate(KINDS):
+                label = f"{algorithm}/{transport} N={n} k={k} {kind}"
+                xs = accumulators(n, kind, seed=100 * n + seed)
+                total, residual, stats = global_topk_allreduce(jnp.asarray(xs[RANK]), k, algorithm=algorithm,
+                                                               transport=transport, return_stats=True)
+                want_total, want_support, want_residuals = REFERENCES[algorithm](xs, k)
+                got = np.asarray(total.to_dense())
+                if not np.array_equal(got, want_total):
+                    failures.append(f"{label}: total differs from the reference at {np.flatnonzero(got != want_total)[:8]}")
+                if not np.array_equal(np.asarray(residual), want_residuals[RANK]):
+                    failures.append(f"{label}: residual differs from the reference")
+                books = got + COMM.allreduce(np.asarray(residual), op=MPI.SUM)
+                if not np.array_equal(books, np.sum(xs, axis=0, dtype=np.float32)):
+                    failures.append(f"{label}: total + residuals != inputs")
+                bound = min(n, k + NPROCS if algorithm == "spardl" else k)
+                if np.count_nonzero(got) > bound or (int(total.nnz) > bound and int(total.nnz) != n):
+                    failures.append(f"{label}: {int(total.nnz)} entries, above the bound {bound}")
+                if float(stats.bytes_sent) != simulated_bytes(algorithm, transport, xs, k):
+                    failures.append(f"{label}: sent {float(stats.bytes_sent)} bytes, the definition says "
+                                    f"{simulated_bytes(algorithm, transport, xs, k)}")
+                failures += check_identical_on_all_ranks(total, label)
+        return failures
+
+    run_and_agree(body, f"global top-k {algorithm}/{transport}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_arguments_raise_on_every_rank(transport):
+    x = jnp.ones(64)
+    expect_error_everywhere(
+        lambda: global_topk_allreduce(x, 65 if RANK == 0 else 8, transport=transport),
+        lambda r: "k=65 must lie in" if r == 0 else "rejected its arguments", "k out of range on rank 0")
+    if NPROCS > 1:
+        expect_error_everywhere(
+            lambda: global_topk_allreduce(x if RANK == 0 else x.astype(jnp.int32), 8, transport=transport),
+            lambda r: "rejected its arguments" if r == 0 else "x must have dtype float32", "int32 x on ranks > 0")
+        expect_error_everywhere(lambda: global_topk_allreduce(x, 8 + RANK % 2, transport=transport),
+                                "ranks disagree on k", "different k")
+        expect_error_everywhere(lambda: global_topk_allreduce(jnp.ones(64 + RANK % 2), 8, transport=transport),
+                                "ranks disagree on size", "different N")
+        expect_error_everywhere(
+            lambda: global_topk_allreduce(x, 8, algorithm=GLOBAL_TOPK_ALGORITHMS[RANK % 2], transport=transport),
+            "ranks disagree on algorithm", "different algorithms")
+    run_and_agree(lambda: [] if float(global_topk_allreduce(x, 64, transport=transport)[0].to_dense()[0]) == NPROCS
+                  else ["the next call did not sum"], "a call after the errors")
+
+
+def test_a_stream_is_not_an_accumulator():
+    s = SparseStream.from_dense(jnp.ones(8), capacity=8)
+    expect_error_everywhere(lambda: global_topk_allreduce(s, 2), "pass stream.to_dense()", "a SparseStream as x")
