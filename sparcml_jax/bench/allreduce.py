@@ -123,73 +123,99 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
         if progress:
             progress(cell_index, len(cells), f"N=2^{int(math.log2(size))} density={density:.2%} {support}")
         s = make_stream(size, k, support, rank, nprocs)
-        dense_x = s.to_dense()
-        cases = {("dense mpi4jax", "-"): (lambda x: dense_allreduce(x, comm=comm), (dense_x,))}
-        if baselines:
-            host = np.array(dense_x)
-            host_sum = np.empty_like(host)
-            cases[("mpi4py Allreduce (numpy)", "-")] = (None, lambda: comm.Allreduce(host, host_sum, op=MPI.SUM))
-            for transport in transports:
-                cases[("naive allgather+sum", transport)] = (
-                    lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t, return_stats=True), (s,))
-            cases[("allgather+dense sum (DGC)", "mpi4jax")] = (lambda s: allgather_then_densify(s, comm=comm), (s,))
-        for transport in transports:
-            for algorithm in algorithms:
-                cases[(algorithm, transport)] = (lambda s, a=algorithm, t=transport: sparse_allreduce(
-                    s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True), (s,))
-        stats, timed = {}, {}
-        for name, (call, args) in cases.items():  # compile and warm up
-            if call is None:  # outside JAX: `args` is the call itself
-                timed[name] = lambda run=args: [run() for _ in range(calls_per_sample)]
-                continue
-            single = jax.jit(call)
-            first = block(single(*args))
-            if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
-                stats[name] = first[1]
-            program = single if calls_per_sample == 1 else repeated_in_one_program(call, calls_per_sample)
-            timed[name] = lambda program=program, args=args: program(*args)
-            block(timed[name]())
-        samples, faults = {name: [] for name in cases}, {name: 0 for name in cases}
-        steal_before = _steal_seconds()
-        for rep in range(reps):  # interleaved, so that noise hits every case alike
-            # A new order every repetition (the same on every rank): a case must not always follow
-            # the one that leaves the most memory to give back (DSAR, the dense baselines).
-            order = list(cases)
-            np.random.default_rng(rep).shuffle(order)
-            for name in order:
-                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                samples[name] += [t / calls_per_sample for t in _timed(comm, timed[name], 1)]
-                faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
-        steal_after = _steal_seconds()
-        steal = None if steal_before is None or steal_after is None else steal_after - steal_before
-        dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
-        for name, times in samples.items():
-            st = stats.get(name)
-            chosen = ALGORITHMS[int(st.algorithm)] if st is not None and int(st.algorithm) >= 0 else None
-            sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
-            if name[0] in ALGORITHMS or name[0] == "auto":
-                predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
-                                                transport=name[1], capacity=k))
-            elif name[0].startswith("dense") or name[0].startswith("mpi4py"):  # MPI_Allreduce of a dense vector
-                predicted = model.dense_alpha + 4.0 * size * model.dense_beta if nprocs > 1 else 0.0
-            else:
-                predicted = None
-            rows.append(dict(
-                P=nprocs, N=size, density=density, support=support, algorithm=name[0], transport=name[1],
-                chosen=chosen, median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
-                ratio_to_dense=float(np.median(times)) / dense_median, bytes_sent_max=sent,
-                result_density=int(st.result_nnz) / size if st is not None else None, predicted=predicted,
-                calls_per_sample=calls_per_sample, steal_seconds=steal,
-                page_faults=comm.allreduce(faults[name], op=MPI.MAX) / (reps * calls_per_sample),
-                **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
-            ))
-        for row in rows[-len(samples):]:  # auto against the best fixed algorithm on its transport
-            fixed = [r["median"] for r in rows[-len(samples):]
-                     if r["transport"] == row["transport"] and r["algorithm"] in ALGORITHMS]
-            row["auto_over_best_fixed"] = row["median"] / min(fixed) if row["algorithm"] == "auto" and fixed else None
+        cases = _cases(s, algorithms, transports, comm, model, baselines)
+        stats, timed = _compiled_cases(cases, calls_per_sample)
+        samples, faults, steal = _interleaved_samples(comm, timed, reps, calls_per_sample)
+        cell = dict(P=nprocs, N=size, density=density, support=support, calls_per_sample=calls_per_sample,
+                    steal_seconds=steal)
+        rows += _cell_rows(cell, samples, stats, faults, comm, model, k, reps)
     if progress:
         progress(len(cells), len(cells), "done")
     return rows, model
+
+
+def _cases(s, algorithms, transports, comm, model, baselines) -> dict:
+    """(name, transport) -> (jittable call, its arguments), or (None, a call outside JAX)."""
+    dense_x = s.to_dense()
+    cases = {("dense mpi4jax", "-"): (lambda x: dense_allreduce(x, comm=comm), (dense_x,))}
+    if baselines:
+        host = np.array(dense_x)
+        host_sum = np.empty_like(host)
+        cases[("mpi4py Allreduce (numpy)", "-")] = (None, lambda: comm.Allreduce(host, host_sum, op=MPI.SUM))
+        for transport in transports:
+            cases[("naive allgather+sum", transport)] = (
+                lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t, return_stats=True), (s,))
+        cases[("allgather+dense sum (DGC)", "mpi4jax")] = (lambda s: allgather_then_densify(s, comm=comm), (s,))
+    for transport in transports:
+        for algorithm in algorithms:
+            cases[(algorithm, transport)] = (lambda s, a=algorithm, t=transport: sparse_allreduce(
+                s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True), (s,))
+    return cases
+
+
+def _compiled_cases(cases: dict, calls_per_sample: int) -> tuple[dict, dict]:
+    """Compiles and warms up every case: (its stats where it reports them, a timed call per case)."""
+    stats, timed = {}, {}
+    for name, (call, args) in cases.items():
+        if call is None:  # outside JAX: `args` is the call itself
+            timed[name] = lambda run=args: [run() for _ in range(calls_per_sample)]
+            continue
+        single = jax.jit(call)
+        first = block(single(*args))
+        if isinstance(first, tuple) and len(first) == 2 and hasattr(first[1], "bytes_sent"):
+            stats[name] = first[1]
+        program = single if calls_per_sample == 1 else repeated_in_one_program(call, calls_per_sample)
+        timed[name] = lambda program=program, args=args: program(*args)
+        block(timed[name]())
+    return stats, timed
+
+
+def _interleaved_samples(comm, timed: dict, reps: int, calls_per_sample: int):
+    """Per case its per-call times and minor page faults, over ``reps`` interleaved repetitions;
+    and the CPU time the hypervisor took meanwhile (None where unknown)."""
+    samples, faults = {name: [] for name in timed}, {name: 0 for name in timed}
+    steal_before = _steal_seconds()
+    for rep in range(reps):  # interleaved, so that noise hits every case alike
+        # A new order every repetition (the same on every rank): a case must not always follow
+        # the one that leaves the most memory to give back (DSAR, the dense baselines).
+        order = list(timed)
+        np.random.default_rng(rep).shuffle(order)
+        for name in order:
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            samples[name] += [t / calls_per_sample for t in _timed(comm, timed[name], 1)]
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    steal_after = _steal_seconds()
+    steal = None if steal_before is None or steal_after is None else steal_after - steal_before
+    return samples, faults, steal
+
+
+def _cell_rows(cell: dict, samples: dict, stats: dict, faults: dict, comm, model, k: int, reps: int) -> list[dict]:
+    """One row per case of a cell: times, ratios to dense, bytes, result density and the prediction."""
+    size, nprocs = cell["N"], cell["P"]
+    dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
+    rows = []
+    for name, times in samples.items():
+        st = stats.get(name)
+        chosen = ALGORITHMS[int(st.algorithm)] if st is not None and int(st.algorithm) >= 0 else None
+        sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
+        if name[0] in ALGORITHMS or name[0] == "auto":
+            predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
+                                            transport=name[1], capacity=k))
+        elif name[0].startswith("dense") or name[0].startswith("mpi4py"):  # MPI_Allreduce of a dense vector
+            predicted = model.dense_alpha + 4.0 * size * model.dense_beta if nprocs > 1 else 0.0
+        else:
+            predicted = None
+        rows.append(dict(
+            cell, algorithm=name[0], transport=name[1], chosen=chosen, median=float(np.median(times)),
+            min=float(np.min(times)), max=float(np.max(times)), ratio_to_dense=float(np.median(times)) / dense_median,
+            bytes_sent_max=sent, result_density=int(st.result_nnz) / size if st is not None else None,
+            predicted=predicted, page_faults=comm.allreduce(faults[name], op=MPI.MAX) / (reps * cell["calls_per_sample"]),
+            **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
+        ))
+    for row in rows:  # auto against the best fixed algorithm on its transport
+        fixed = [r["median"] for r in rows if r["transport"] == row["transport"] and r["algorithm"] in ALGORITHMS]
+        row["auto_over_best_fixed"] = row["median"] / min(fixed) if row["algorithm"] == "auto" and fixed else None
+    return rows
 
 
 def _progress_bar(done: int, total: int, label: str) -> None:
@@ -199,7 +225,7 @@ def _progress_bar(done: int, total: int, label: str) -> None:
           file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpirun -n P python -m sparcml_jax.bench allreduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", default="issue", choices=["quick", "issue", "full"],
@@ -221,10 +247,54 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--inline-dispatch", action="store_true",
                         help="run every program on the calling thread (jax_cpu_enable_async_dispatch=False): XLA "
                              "then takes temp blocks over 64 MB from the main heap instead of mapping them afresh "
-                             "every call (see BENCHMARKS.md)")
+                             "every call")
     parser.add_argument("--cost-model", metavar="FILE",
                         help="the cost model for auto and the predictions (written by `bench calibrate`); "
                              "default: SPARCML_JAX_COST_MODEL, else measured")
+    return parser
+
+
+def _report(args, rows: list[dict], model, comm) -> None:
+    """Rank 0 prints the table and writes the files."""
+    if comm.Get_rank() != 0:
+        return
+    print(f"P={comm.Get_size()}  cost model: alpha={model.alpha * 1e6:.1f} us  "
+          f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)  "
+          f"dense allreduce={model.dense_beta * 1e9:.3f} ns/B  merge={model.pair_cost * 1e9:.2f} ns/pair  "
+          f"pass={model.element_cost * 1e9:.3f} ns/element")
+    print_table(
+        ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
+         "auto/best", "MB sent/rank", "result density", "model"],
+        [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.2%}", r["support"], r["algorithm"], r["transport"],
+          r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
+          f"{r['ratio_to_dense']:.3f}", "" if r["auto_over_best_fixed"] is None else f"{r['auto_over_best_fixed']:.2f}",
+          "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
+          "" if r["result_density"] is None else f"{r['result_density']:.2%}",
+          "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
+    )
+    print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better); "
+          "auto/best = auto's median over the best fixed algorithm's on its transport")
+    if args.calls_per_sample > 1:
+        print(f"times are per call, {args.calls_per_sample} calls per jitted program (dispatched once, as in a "
+              "training step)")
+    stolen = {(r["N"], r["density"], r["support"]): r["steal_seconds"] for r in rows if r["steal_seconds"]}
+    for (size, density, support), seconds in stolen.items():
+        print(f"the hypervisor took {seconds:.2f} s of CPU from this machine during cell "
+              f"N=2^{int(math.log2(size))} {density:.2%} {support}")
+    for row in rows:
+        row["network"] = args.network
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.inline_dispatch:  # before the first computation creates the CPU client
         jax.config.update("jax_cpu_enable_async_dispatch", False)
@@ -241,38 +311,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, model = run(cells, args.algorithms, args.transports, args.reps, comm, baselines=not args.no_baselines,
                       calls_per_sample=args.calls_per_sample, model=model,
                       progress=_progress_bar if comm.Get_rank() == 0 else None)
-    if comm.Get_rank() == 0:
-        print(f"P={comm.Get_size()}  cost model: alpha={model.alpha * 1e6:.1f} us  "
-              f"beta={model.beta * 1e9:.3f} ns/B ({1 / max(model.beta, 1e-30) / 1e9:.2f} GB/s)  "
-              f"dense allreduce={model.dense_beta * 1e9:.3f} ns/B  merge={model.pair_cost * 1e9:.2f} ns/pair  "
-              f"pass={model.element_cost * 1e9:.3f} ns/element")
-        print_table(
-            ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
-             "auto/best", "MB sent/rank", "result density", "model"],
-            [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.2%}", r["support"], r["algorithm"], r["transport"],
-              r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
-              f"{r['ratio_to_dense']:.3f}", "" if r["auto_over_best_fixed"] is None else f"{r['auto_over_best_fixed']:.2f}",
-              "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
-              "" if r["result_density"] is None else f"{r['result_density']:.2%}",
-              "" if r["predicted"] is None else fmt_time(r["predicted"])] for r in rows],
-        )
-        print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better); "
-              "auto/best = auto's median over the best fixed algorithm's on its transport")
-        if args.calls_per_sample > 1:
-            print(f"times are per call, {args.calls_per_sample} calls per jitted program (dispatched once, as in a "
-                  "training step)")
-        stolen = {(r["N"], r["density"], r["support"]): r["steal_seconds"] for r in rows if r["steal_seconds"]}
-        for (size, density, support), seconds in stolen.items():
-            print(f"the hypervisor took {seconds:.2f} s of CPU from this machine during cell "
-                  f"N=2^{int(math.log2(size))} {density:.2%} {support}")
-        for row in rows:
-            row["network"] = args.network
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        if args.csv:
-            with open(args.csv, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
+    _report(args, rows, model, comm)
     return rows
