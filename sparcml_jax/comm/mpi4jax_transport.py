@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.comm import Combine, Quantize
-from sparcml_jax.comm.topology import (allgather_capacities, block_peers, check_pairs, concatenated_capacity,
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, longest_part, part_bounds, part_capacity,
                                        part_length, peers_of, ring_segments, segment_capacities, segment_slot)
 from sparcml_jax.kernels.merge import merge, merge_all
@@ -343,10 +343,9 @@ class Mpi4jaxTransport:
 
     def pass_blocks(self, blocks: list[SparseStream], *, distance: int, count: int,
                     budgets: Sequence[int]) -> list[SparseStream]:
-        width, out = len(blocks), list(blocks)
-        dest, source = block_peers(self.rank, width, distance)
-        for j in range(count):
-            send, into = (self.rank + distance + j) % width, (self.rank + j) % width
+        out = list(blocks)
+        dest, source, moves = block_pass(self.rank, len(blocks), distance, count)
+        for send, into in moves:
             kept, out[send] = self.select(out[send], budgets[send])
             target = out[into]
             got, sent = self._transfer(kept, dest, source, target.size,

@@ -32,7 +32,7 @@ from mpi4py import MPI
 from sparcml_jax import _lib
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
-from sparcml_jax.comm.topology import (allgather_capacities, block_peers, check_pairs, concatenated_capacity,
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, part_capacity, part_length, peers_of,
                                        ring_segments, segment_capacities)
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
@@ -182,10 +182,9 @@ class Recorder:
 
     def pass_blocks(self, blocks: list[Register], *, distance: int, count: int,
                     budgets: Sequence[int]) -> list[Register]:
-        width, out = len(blocks), list(blocks)
-        dest, source = block_peers(self.rank, width, distance)
-        for j in range(count):
-            send, into = (self.rank + distance + j) % width, (self.rank + j) % width
+        out = list(blocks)
+        dest, source, moves = block_pass(self.rank, len(blocks), distance, count)
+        for send, into in moves:
             kept, out[send] = self.select(out[send], budgets[send])
             target = out[into]
             out[into] = self._new(target.size, target.capacity)

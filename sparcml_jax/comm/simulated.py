@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from sparcml_jax.comm import Combine, Quantize
-from sparcml_jax.comm.topology import (allgather_capacities, block_peers, check_pairs, concatenated_capacity,
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, longest_part, part_bounds, part_capacity,
                                        segment_capacities, segment_slot)
 from sparcml_jax.stream import dense_threshold
@@ -252,17 +252,15 @@ class Simulated:
         return [self._add(x, y, x.capacity) for x, y in zip(a, b)]
 
     def pass_blocks(self, blocks: list[Ranks], *, distance: int, count: int, budgets: Sequence[int]) -> list[Ranks]:
-        width = len(blocks)
         out = [list(block) for block in blocks]
         arriving = []
         for r in range(self.nprocs):
-            dest, _ = block_peers(r, width, distance)
-            for j in range(count):
-                b = (r % width + distance + j) % width
-                kept, out[b][r] = _select(blocks[b][r], budgets[b])
+            dest, _, moves = block_pass(r, len(blocks), distance, count)
+            for send, _ in moves:  # the dest adds it into the same block (its q + j)
+                kept, out[send][r] = _select(blocks[send][r], budgets[send])
                 self.sent[r] += self._message(kept)
-                arriving.append((b, dest, kept))
-        for b, dest, kept in arriving:  # the rank at q + distance adds it into its block (q + distance) + j
+                arriving.append((send, dest, kept))
+        for b, dest, kept in arriving:
             out[b][dest] = self._add(out[b][dest], kept, out[b][dest].capacity)
         return out
 

@@ -117,11 +117,14 @@ def spar_reduce_scatter_rounds(blocks: int) -> list[tuple[int, int]]:
     return [(distances[0], blocks - distances[0])] + [(d, d) for d in distances[1:]]
 
 
-def block_peers(rank: int, blocks: int, distance: int) -> tuple[int, int]:
-    """(dest, source) of ``rank`` in a round at ``distance`` among teams of ``blocks``
-    consecutive ranks: the ranks ``distance`` positions ahead and behind in its own team."""
+def block_pass(rank: int, blocks: int, distance: int, count: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """``rank``'s side of a Spar-Reduce-Scatter round among teams of ``blocks`` consecutive ranks:
+    (dest, source, [(block it sends, block it adds into)] * count). The dest and source are the
+    ranks ``distance`` positions ahead and behind in its own team; the rank at position q sends
+    its blocks q + distance + j and adds what arrives into its blocks q + j."""
     team, position = divmod(rank, blocks)
-    return team * blocks + (position + distance) % blocks, team * blocks + (position - distance) % blocks
+    dest, source = team * blocks + (position + distance) % blocks, team * blocks + (position - distance) % blocks
+    return dest, source, [((position + distance + j) % blocks, (position + j) % blocks) for j in range(count)]
 
 
 def tree_rounds(nprocs: int) -> list[list[tuple[int, int]]]:
