@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
-from mpi4py import MPI
 import numpy as np
 import pytest
+from mpi4py import MPI
 from _util import COMM, NPROCS, RANK, TRANSPORTS, check_identical_on_all_ranks, expect_error_everywhere, run_and_agree
 
 from sparcml_jax import GLOBAL_TOPK_ALGORITHMS, SparseStream, global_topk_allreduce
@@ -107,3 +108,28 @@ def test_bad_arguments_raise_on_every_rank(transport):
 def test_a_stream_is_not_an_accumulator():
     s = SparseStream.from_dense(jnp.ones(8), capacity=8)
     expect_error_everywhere(lambda: global_topk_allreduce(s, 2), "pass stream.to_dense()", "a SparseStream as x")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_error_feedback_inside_jit_keeps_the_books_over_steps(transport):
+    """The residual carried from step to step inside a jitted step: after every step the result
+    plus the residuals is the sum of every gradient so far."""
+    @jax.jit
+    def step(grad, residual):
+        total, residual = global_topk_allreduce(grad + residual, 5, algorithm="gtopk", transport=transport)
+        return total.to_dense(), residual
+
+    def body():
+        residual, sent, failures = jnp.zeros(100), np.zeros(100, np.float32), []
+        grads = np.zeros(100, np.float32)
+        for t in range(3):
+            grad = jnp.asarray(np.random.default_rng([t, RANK]).integers(-9, 9, 100).astype(np.float32))
+            total, residual = step(grad, residual)
+            sent += np.asarray(total)
+            grads += COMM.allreduce(np.asarray(grad), op=MPI.SUM)
+            books = sent + COMM.allreduce(np.asarray(residual), op=MPI.SUM)
+            if not np.array_equal(books, grads):
+                failures.append(f"step {t}: sent + residuals != gradients")
+        return failures
+
+    run_and_agree(body, f"error feedback in jit ({transport})")
