@@ -28,8 +28,9 @@ from mpi4py import MPI
 
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
-                                       exchange_capacity, grown_capacity, longest_part, part_bounds, part_capacity,
-                                       part_length, peers_of, ring_segments, segment_capacities, segment_slot)
+                                       exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
+                                       part_capacity, part_length, peers_of, ring_segments, segment_capacities,
+                                       segment_slot, selected_capacity)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds, scatter_add
 from sparcml_jax.kernels.topk import topk
@@ -326,7 +327,7 @@ class Mpi4jaxTransport:
     # --------------------------------------------------------------------------- global top-k
 
     def select(self, s: SparseStream, k: int) -> tuple[SparseStream, SparseStream]:
-        take = min(k, s.capacity, s.size)
+        take = selected_capacity(k, s.capacity, s.size)
         chosen = topk(s.values, take).indices  # positions, ascending: padding (zeros) only after every entry
         kept = SparseStream(s.indices[chosen], s.values[chosen], jnp.minimum(take, s.nnz).astype(INDEX_DTYPE), s.size)
         left = (jnp.arange(s.capacity) < s.nnz).at[chosen].set(False)
@@ -334,9 +335,10 @@ class Mpi4jaxTransport:
         pairs = SparseStream(jnp.full((s.capacity,), s.size, INDEX_DTYPE).at[slots].set(s.indices, mode="drop"),
                              jnp.zeros((s.capacity,), VALUE_DTYPE).at[slots].set(s.values, mode="drop"),
                              (s.nnz - kept.nnz).astype(INDEX_DTYPE), s.size)
+        if s.capacity < s.size:  # never the dense representation
+            return kept, pairs
         zeroed = SparseStream(s.indices, s.values.at[chosen].set(0.0), s.nnz, s.size)
-        rest = jax.tree.map(lambda d, q: jnp.where(s.is_dense, d, q), zeroed, pairs)
-        return kept, rest
+        return kept, jax.tree.map(lambda d, q: jnp.where(s.is_dense, d, q), zeroed, pairs)
 
     def add(self, a: SparseStream, b: SparseStream) -> SparseStream:
         return merge(a, b, delta=self.delta, capacity=a.capacity)
@@ -349,7 +351,7 @@ class Mpi4jaxTransport:
             kept, out[send] = self.select(out[send], budgets[send])
             target = out[into]
             got, sent = self._transfer(kept, dest, source, target.size,
-                                       min(budgets[into], target.capacity, target.size))
+                                       selected_capacity(budgets[into], target.capacity, target.size))
             out[into] = merge(target, got, delta=self.delta, capacity=target.capacity)
             self._after(True, out[into].is_dense, sent)
         return out
@@ -358,7 +360,7 @@ class Mpi4jaxTransport:
         width, out = len(blocks), list(blocks)
         own = self.rank % width
         kept, out[own] = self.select(out[own], budgets[own])
-        slot = max(min(budgets[q], b.capacity, b.size) for q, b in enumerate(blocks))
+        slot = owned_slot(budgets, [(b.capacity, b.size) for b in blocks])
         return Part(kept, None, -1, slot), out
 
     def residual(self, x: SparseStream, held: SparseStream, total: SparseStream) -> SparseStream:

@@ -33,8 +33,8 @@ from sparcml_jax import _lib
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
-                                       exchange_capacity, grown_capacity, part_capacity, part_length, peers_of,
-                                       ring_segments, segment_capacities)
+                                       exchange_capacity, grown_capacity, owned_slot, part_capacity, part_length,
+                                       peers_of, ring_segments, segment_capacities, selected_capacity)
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 NAME = "native"
@@ -170,7 +170,7 @@ class Recorder:
         return out
 
     def select(self, s: Register, k: int, **part: int) -> tuple[Register, Register]:
-        kept = self._new(s.size, min(k, s.capacity, s.size), **part)
+        kept = self._new(s.size, selected_capacity(k, s.capacity, s.size), **part)
         rest = self._new(s.size, s.capacity)
         self.emit(SELECT, kept.id, kept.capacity, s.id, rest.id)
         return kept, rest
@@ -193,7 +193,7 @@ class Recorder:
 
     def select_owned(self, blocks: list[Register], budgets: Sequence[int]) -> tuple[Register, list[Register]]:
         width, out = len(blocks), list(blocks)
-        slot = max(min(budgets[q], b.capacity, b.size) for q, b in enumerate(blocks))
+        slot = owned_slot(budgets, [(b.capacity, b.size) for b in blocks])
         own = self.rank % width
         part, out[own] = self.select(out[own], budgets[own], source_capacity=-1, slot=slot)
         return part, out

@@ -29,8 +29,8 @@ import numpy as np
 
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
-                                       exchange_capacity, grown_capacity, longest_part, part_bounds, part_capacity,
-                                       segment_capacities, segment_slot)
+                                       exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
+                                       part_capacity, segment_capacities, segment_slot, selected_capacity)
 from sparcml_jax.stream import dense_threshold
 
 
@@ -266,7 +266,7 @@ class Simulated:
 
     def select_owned(self, blocks: list[Ranks], budgets: Sequence[int]) -> tuple[Ranks, list[Ranks]]:
         width = len(blocks)
-        slot = max(min(budgets[q], blocks[q][0].capacity, blocks[q][0].n) for q in range(width))
+        slot = owned_slot(budgets, [(block[0].capacity, block[0].n) for block in blocks])
         out = [list(block) for block in blocks]
         parts = []
         for r in range(self.nprocs):
@@ -300,7 +300,7 @@ def _select(s: SimStream, k: int) -> tuple[SimStream, SimStream]:
     take = min(k, len(idx))
     order = np.lexsort((idx, -magnitude_key(s.val).astype(np.int64)))[:take]
     chosen = np.sort(order)
-    kept = SimStream(s.n, min(k, s.capacity, s.n), idx[chosen].astype(np.int64), s.val[chosen].copy())
+    kept = SimStream(s.n, selected_capacity(k, s.capacity, s.n), idx[chosen].astype(np.int64), s.val[chosen].copy())
     if s.dense:
         values = s.val.copy()
         values[chosen] = 0.0

@@ -137,6 +137,17 @@ def tree_rounds(nprocs: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
+def selected_capacity(k: int, capacity: int, size: int) -> int:
+    """Capacity of the top ``k`` entries of a stream of ``capacity`` slots over ``size`` entries."""
+    return min(k, capacity, size)
+
+
+def owned_slot(budgets, blocks: list[tuple[int, int]]) -> int:
+    """The slot every rank's selected own block travels in: the largest selection's capacity
+    over the blocks' (capacity, size)."""
+    return max(selected_capacity(k, capacity, size) for k, (capacity, size) in zip(budgets, blocks))
+
+
 def allgather_capacities(source_capacity: int, slot: int, size: int, parts: int, delta: float) -> tuple[int, int]:
     """(Pairs of the static slot every part travels in, capacity of the result) of an allgather
     of parts: parts of a reduce-scatter of streams of ``source_capacity``, or, when that is -1,
