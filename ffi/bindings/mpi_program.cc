@@ -208,8 +208,7 @@ class Interpreter {
     Stream out;
     out.capacity = s.capacity;
     Writable w = Allocate(out, reg, s.n, 0, true);
-    std::memset(w.val, 0, s.n * sizeof(float));
-    for (int64_t j = 0; j < s.nnz; ++j) w.val[s.idx[j]] = s.val[j];
+    StoreDense(s, w.val);
     out.nnz = s.n;
     return out;
   }
@@ -509,12 +508,7 @@ class Interpreter {
     Stream out = Empty(n, n);
     if (!call_.failed()) {
       Writable w = Allocate(out, dst, n, 0, true);
-      if (s.dense) {
-        if (w.val != s.val) std::memcpy(w.val, s.val, n * sizeof(float));
-      } else {
-        std::memset(w.val, 0, n * sizeof(float));
-        for (int64_t j = 0; j < s.nnz; ++j) w.val[s.idx[j]] = s.val[j];
-      }
+      StoreDense(s, w.val);
       if (p > 1) {
         MPI_Request request;
         MPI_Iallreduce(MPI_IN_PLACE, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM, call_.comm(), &request);
