@@ -627,8 +627,9 @@ class Interpreter {
     if (!call_.failed()) {
       Writable w = Allocate(out, dst, n, 0, true);
       StoreDense(x, w.val);
-      Scratch<float> kept(std::max<int64_t>(n, 1));
-      StoreDense(held, kept.data());
+      Scratch<float> densified(held.dense ? 1 : std::max<int64_t>(n, 1));  // SparDL's held blocks are dense
+      if (!held.dense) StoreDense(held, densified.data());
+      const float* kept = held.dense ? held.val : densified.data();
       int64_t count = total.dense ? total.n : total.nnz;
       for (int64_t j = 0; j < count; ++j) {
         int64_t i = total.dense ? j : total.idx[j];
