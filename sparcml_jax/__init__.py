@@ -48,11 +48,13 @@ from sparcml_jax.sparse_updates import apply_updates, lazy
 from sparcml_jax.stream import SparseStream, dense_threshold
 from sparcml_jax.stages import (
     ErrorFeedbackState,
+    GlobalTopkState,
     GradientStats,
     ReduceState,
     SparsifyState,
     densify,
     error_feedback,
+    global_topk_reduce,
     reduce_streams,
     sparsify,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "AllreduceStats",
     "CostModel",
     "ErrorFeedbackState",
+    "GlobalTopkState",
     "GlobalTopkStats",
     "GradientStats",
     "LeafGroups",
@@ -99,6 +102,7 @@ __all__ = [
     "gather",
     "gather_reference",
     "global_topk_allreduce",
+    "global_topk_reduce",
     "lazy",
     "merge",
     "merge_capacity",

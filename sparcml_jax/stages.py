@@ -7,7 +7,9 @@ leaves, so no stage ever treats a stream's indices as updates. They sit in this 
 
 1. :func:`sparsify` turns dense leaves into streams (top-k, random-k, threshold, any callable);
    :func:`error_feedback` wraps it and keeps what was not sent;
-2. :func:`reduce_streams` sums every rank's streams (and dense leaves) over MPI;
+2. :func:`reduce_streams` sums every rank's streams (and dense leaves) over MPI; in place of
+   both steps, :func:`global_topk_reduce` sums dense buffers with a global top-k allreduce
+   (SparDL, gTop-k), which selects inside the collective, and keeps the residual it returns;
 3. :func:`densify` turns the reduced streams back into dense leaves of the parameters' shapes.
 
 Any stage of your own may sit between them if it takes and returns such a pytree: a reduction
@@ -68,6 +70,8 @@ import optax
 from mpi4py import MPI
 
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
+from sparcml_jax.collectives.global_topk import global_topk_allreduce
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.comm import check_transport, resolve_comm
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
@@ -83,8 +87,9 @@ class GradientStats(NamedTuple):
     Attributes:
       density: float32 nonzeros of the reduced buffers over their length.
       bytes_sent: float32 payload bytes this rank sent in the last update.
-      algorithm: int32 index into ``sparcml_jax.ALGORITHMS`` of the largest buffer's algorithm
-        (-1 when it travelled dense: during warm-up, or when a rank exceeded ``capacity``).
+      algorithm: int32 index into ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``
+        of the largest buffer's algorithm (-1 when it travelled dense: during warm-up, or when a
+        rank exceeded ``capacity``).
     """
 
     density: jax.Array
@@ -200,15 +205,7 @@ def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTr
     def update_fn(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
         residual, residual_def = jax.tree.flatten(state.residual)
-        if treedef != residual_def:
-            raise ValueError("error_feedback: the gradient pytree differs from the one given to init "
-                             f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train")
-        for i, (leaf, r) in enumerate(zip(leaves, residual)):
-            if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != r.size or (
-                    not is_stream(leaf) and jnp.shape(leaf) != r.shape):
-                shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
-                raise ValueError(f"error_feedback: gradient leaf {i} has {shape} but init saw {r.shape}; "
-                                 "re-run init with the parameters you train")
+        check_like_residual("error_feedback", leaves, treedef, residual, residual_def)
         accumulated = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
         sent, inner_state = sparsifier.update(jax.tree.unflatten(treedef, accumulated), state.inner, params)
         new_residual = [r if is_stream(a) else a - s
@@ -216,6 +213,19 @@ def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTr
         return sent, ErrorFeedbackState(jax.tree.unflatten(residual_def, new_residual), inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, residual_def: Any) -> None:
+    """The gradient has the pytree and leaf shapes of the residual that init made."""
+    if treedef != residual_def:
+        raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
+                         f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train")
+    for i, (leaf, r) in enumerate(zip(leaves, residual)):
+        if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != r.size or (
+                not is_stream(leaf) and jnp.shape(leaf) != r.shape):
+            shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
+            raise ValueError(f"{stage}: gradient leaf {i} has {shape} but init saw {r.shape}; "
+                             "re-run init with the parameters you train")
 
 
 def sent_values(sent: Any, like: list) -> list:
@@ -409,6 +419,199 @@ def _stats(streams: list, results: list, fused: int, warming: jax.Array | None) 
     if warming is not None:
         code = jnp.where(warming, SENT_DENSE, code)
     return GradientStats(nnz / max(sum(s.size for s in streams), 1), jnp.asarray(sent, jnp.float32), code)
+
+
+class GlobalTopkState(NamedTuple):
+    """:func:`global_topk_reduce`'s state.
+
+    Attributes:
+      residual: float32, like the updates: what this rank holds back (``None`` without error
+        feedback).
+      inner: the packer's state.
+      count: int32 steps taken (for warm-up).
+      stats: the last update's :class:`GradientStats`.
+      oktopk: state the algorithm carries from step to step, one per fused buffer (Ok-Topk's
+        thresholds and region boundaries); empty for SparDL and gTop-k.
+    """
+
+    residual: Any
+    inner: Any
+    count: jax.Array
+    stats: GradientStats
+    oktopk: tuple
+
+
+def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, algorithm: str = "spardl",
+                       density: float | None = None, k: int | None = None, error_feedback: bool = True,
+                       transport: str = "native", comm: MPI.Comm | None = None, average: bool = True,
+                       delta: float = 1.0, warmup_steps: int | jax.Array = 0) -> optax.GradientTransformation:
+    r"""Error feedback around a global top-k allreduce (SparDL §4, gTop-k): sparsify and sum in one stage.
+
+    Rank :math:`r` forms :math:`a_r = g_r + e_r` (gradient plus residual), packs it with
+    ``inner`` (typically :func:`~sparcml_jax.fuse_leaves`) and sums every fused buffer with
+    :func:`sparcml_jax.global_topk_allreduce`, which selects about ``k`` entries of
+    :math:`\sum_r a_r` inside the collective and hands back as :math:`e_r'` what rank :math:`r`
+    gave and the result does not hold:
+
+    .. math::  \mathrm{total} + \sum_r e_r' = \sum_r a_r
+
+    so everything applied plus every residual is the sum of all gradients, and the result keeps
+    about ``k`` entries whatever the number of ranks (SparCML's sum of local top-k grows towards
+    P k). No local top-k precedes it: the collective selects. A buffer of ``n`` entries gets
+    ``k = ceil(density * n)``, or its share of ``k`` as in :func:`sparsify`. Small leaves travel
+    in one dense allreduce and stream leaves of the gradient are summed exactly, as in
+    :func:`reduce_streams`. Follow with :func:`densify`.
+
+    The stats count the result's nonzeros and the bytes sent; their ``algorithm`` indexes
+    ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``. What the collective returned
+    to this rank is the residual itself.
+
+    Args:
+      inner: packs the accumulated gradient: :func:`~sparcml_jax.fuse_leaves`, or ``None``
+        (every dense leaf is a buffer of its own).
+      algorithm: one of ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``.
+      density: the result's fraction of each buffer's entries, in (0, 1].
+      k: the result's entries in all, instead of ``density``.
+      error_feedback: keep the residual and add it to the next gradient (else it is dropped).
+      transport, delta: passed to :func:`sparcml_jax.global_topk_allreduce`.
+      comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      average: divide the sum by the number of ranks.
+      warmup_steps: for the first steps every buffer is summed dense and nothing is held back.
+
+    Example (one process: the result is this rank's top k, the rest its residual):
+      >>> import jax.numpy as jnp, optax
+      >>> import sparcml_jax
+      >>> tx = optax.chain(sparcml_jax.global_topk_reduce(sparcml_jax.fuse_leaves(min_size=0), k=2),
+      ...                  sparcml_jax.densify())
+      >>> params = {"w": jnp.zeros(4)}
+      >>> state = tx.init(params)
+      >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.5])}, state, params)
+      >>> sent["w"].tolist(), optax.tree_utils.tree_get(state, "residual")["w"].tolist()
+      ([0.0, -5.0, 2.0, 0.0], [1.0, 0.0, 0.0, 0.5])
+    """
+    if algorithm not in GLOBAL_TOPK_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {GLOBAL_TOPK_ALGORITHMS}, got {algorithm!r}")
+    check_budget(density, k)
+    if density is None and k is None:
+        raise ValueError(f"algorithm={algorithm!r} needs density or k (the size of the global result)")
+    check_transport(transport)
+    check_warmup(warmup_steps)
+    code = len(ALGORITHMS) + GLOBAL_TOPK_ALGORITHMS.index(algorithm)
+    options = dict(algorithm=algorithm, transport=transport, delta=delta)
+
+    def pack(tree, inner_state, params=None):
+        return (tree, inner_state) if inner is None else inner.update(tree, inner_state, params)
+
+    def budgets(fused) -> list[int]:
+        total = sum(x.shape[0] for x in fused)
+        return [leaf_budget(x.shape[0], total, density, k) for x in fused]
+
+    def init_fn(params):
+        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params) if error_feedback else None
+        inner_state = optax.EmptyState() if inner is None else inner.init(params)
+        carried = ()
+        if algorithm in CARRIES_STATE:
+            fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
+            carried = tuple(_carried_init(algorithm, x.shape[0], kb) for x, kb in zip(fused, budgets(fused)))
+        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
+
+    def update_fn(updates, state, params=None):
+        the_comm = resolve_comm(comm)
+        nprocs = the_comm.Get_size()
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+        if error_feedback:
+            residual, residual_def = jax.tree.flatten(state.residual)
+            check_like_residual("global_topk_reduce", leaves, treedef, residual, residual_def)
+            leaves = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
+        packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
+        dense, fused, given = _buffers(packed)
+        warming = warming_up(state.count, warmup_steps)
+        summed = [_global_topk_sum(x, kb, carried, warming, the_comm, options, code)
+                  for x, kb, carried in zip(fused, budgets(fused), state.oktopk or [None] * len(fused))]
+        exact = [_reduce_one(s, None, None, the_comm, dict(options, algorithm="auto")) for s in given]
+        out_fused = [_averaged(total, nprocs, average) for total, *_ in summed]
+        out_given = [_averaged(total, nprocs, average) for total, *_ in exact]
+        reduced_dense = dense_sum(dense, the_comm, average)
+        counts = [(nnz, sent, c) for _, _, _, nnz, sent, c in summed] + [
+            (st.result_nnz.astype(jnp.float32), st.bytes_sent, st.algorithm) for _, st, _ in exact]
+        stats = _gathered_stats(counts, [x.shape[0] for x in fused] + [s.size for s in given], len(fused))
+        new_residual = None
+        if error_feedback:
+            kept = _unpacked(packed, [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in dense],
+                             [r for _, r, *_ in summed], given, treedef)
+            new_residual = jax.tree.unflatten(
+                residual_def, [r if is_stream(a) else new for a, r, new in zip(leaves, residual, kept)])
+        carried = tuple(c for _, _, c, *_ in summed) if state.oktopk else ()
+        new_state = GlobalTopkState(new_residual, inner_state, state.count + 1, stats, carried)
+        return _unpacked(packed, reduced_dense, out_fused, out_given, treedef, tree=True), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _buffers(packed: Any) -> tuple[list, list, list]:
+    """(dense leaves sent dense, flat buffers for the global top-k, streams summed exactly)."""
+    if hasattr(packed, "parts"):
+        return packed.parts()
+    leaves = jax.tree.leaves(packed, is_leaf=is_stream)
+    return [], [jnp.ravel(x) for x in leaves if not is_stream(x)], [x for x in leaves if is_stream(x)]
+
+
+def _unpacked(packed: Any, dense: list, fused: list, given: list, treedef: Any, tree: bool = False) -> Any:
+    """``packed`` with its parts replaced: a pytree of the updates' structure (``tree``), or
+    its leaves with every fused buffer cut back into the leaves it came from."""
+    if hasattr(packed, "parts"):
+        rebuilt = packed.replace_parts(dense, fused, given)
+        return rebuilt if tree else rebuilt.unpack(cast=False)
+    leaves = jax.tree.leaves(packed, is_leaf=is_stream)
+    fused, given = iter(fused), iter(given)
+    out = [next(given) if is_stream(x) else next(fused) for x in leaves]
+    if tree:
+        return jax.tree.unflatten(treedef, out)
+    return [x if is_stream(x) else x.reshape(jnp.shape(like)) for x, like in zip(out, leaves)]
+
+
+CARRIES_STATE = ("oktopk",)  # the global top-k algorithms whose state carries from step to step
+
+
+def _carried_init(algorithm: str, size: int, k: int) -> Any:
+    """The state ``algorithm`` carries between steps for one buffer of ``size`` entries."""
+    raise ValueError(f"global_topk_reduce: algorithm={algorithm!r} is not wired into the optax stage")
+
+
+def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | None, comm: MPI.Comm,
+                     options: dict, code: int) -> tuple:
+    """(sum, this rank's residual, carried state, result nnz, bytes sent, algorithm code) of one
+    buffer; while ``warming`` the buffer is summed dense and nothing is held back."""
+
+    def global_topk():
+        total, residual, stats = global_topk_allreduce(x, k, comm=comm, return_stats=True, **options)
+        return total, residual, carried, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, jnp.int32(code)
+
+    if warming is None:
+        return global_topk()
+    nprocs, n = comm.Get_size(), x.shape[0]
+
+    def dense_path():
+        total = dense_allreduce(x, comm=comm) if nprocs > 1 else x
+        sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
+        return total, jnp.zeros_like(x), carried, jnp.float32(n), sent, jnp.int32(SENT_DENSE)
+
+    def sparse_path():
+        total, *rest = global_topk()
+        return (total.to_dense(), *rest)
+
+    return jax.lax.cond(warming, dense_path, sparse_path)
+
+
+def _gathered_stats(counts: list[tuple], sizes: list[int], fused: int) -> GradientStats:
+    """Nonzeros and bytes of every buffer; the algorithm of the largest fused buffer (else stream)."""
+    if not counts:
+        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+    nnz = sum(c[0] for c in counts)
+    sent = sum(c[1] for c in counts)
+    largest = max(range(fused) if fused else range(len(counts)), key=lambda i: sizes[i])
+    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), counts[largest][2])
 
 
 def densify() -> optax.GradientTransformation:

@@ -18,7 +18,8 @@ import numpy as np
 import optax
 from mpi4py import MPI
 
-from sparcml_jax.collectives import CostModel
+from sparcml_jax.collectives import ALGORITHMS, CostModel
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.comm import resolve_comm
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.sparsifiers import Sparsifier, resolve
@@ -31,6 +32,7 @@ from sparcml_jax.stages import (
     check_budget,
     dense_sum,
     densify,
+    global_topk_reduce,
     is_stream,
     reduce_streams,
     sparsify,
@@ -238,8 +240,18 @@ def allreduce_gradients(
         callable ``(v, k, key) -> SparseStream``.
       error_feedback: keep what was not sent and add it to the next gradient.
       quantize_bits: QSGD bits (2, 4, 8) on DSAR's dense allgather phase.
-      algorithm, transport, delta, bucket_size, quantize_scale, cost_model: passed to
-        :func:`sparcml_jax.sparse_allreduce`.
+      algorithm: SparCML's, passed to :func:`sparcml_jax.sparse_allreduce` (``"auto"`` or one of
+        ``sparcml_jax.ALGORITHMS``), or a global top-k allreduce (one of
+        ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``: ``"spardl"``, ``"gtopk"``). A global top-k one
+        sums ``gradient + residual`` with :func:`sparcml_jax.global_topk_allreduce`, whose result
+        keeps about ``k`` (or ``density`` of the entries) whatever the number of ranks, and keeps
+        the residual it returns as the error feedback: the chain is
+        ``optax.chain(global_topk_reduce(fuse_leaves(...)), densify())``. It selects by magnitude
+        inside the collective, so it takes neither ``sparsifier`` nor ``quantize_bits``,
+        ``bucket_size``, ``quantize_scale``, ``cost_model`` or ``buckets``.
+      transport, delta, bucket_size, quantize_scale, cost_model: passed to
+        :func:`sparcml_jax.sparse_allreduce` (``transport`` and ``delta`` also to
+        :func:`sparcml_jax.global_topk_allreduce`).
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       average: divide the sum by the number of ranks.
       warmup_steps: send dense for the first steps (default 0).
@@ -283,10 +295,20 @@ def allreduce_gradients(
     check_budget(density, k)
     resolve(sparsifier)
     exact = density is None and k is None
+    if algorithm != "auto" and algorithm not in (*ALGORITHMS, *GLOBAL_TOPK_ALGORITHMS):
+        raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS + GLOBAL_TOPK_ALGORITHMS}, got {algorithm!r}")
     if capacity is not None and (not isinstance(capacity, int) or capacity < 1 or not exact):
         raise ValueError(f"capacity bounds the exact mode (density=None, k=None); got capacity={capacity!r}")
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
+    if algorithm in GLOBAL_TOPK_ALGORITHMS:
+        _check_global_topk(algorithm, exact=exact, sparsifier=sparsifier, quantize_bits=quantize_bits,
+                           bucket_size=bucket_size, quantize_scale=quantize_scale, cost_model=cost_model,
+                           buckets=buckets)
+        return _with_param_checks(optax.chain(global_topk_reduce(
+            fuse_leaves(min_size=min_size, fuse=fuse), algorithm=algorithm, density=density, k=k,
+            error_feedback=error_feedback, transport=transport, comm=comm, average=average,
+            delta=1.0 if delta is None else _static(delta, "delta"), warmup_steps=warmup_steps), densify()))
     if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
         raise ValueError(f"buckets must be a positive int or None, got {buckets!r}")
     if buckets is not None and (transport != "native" or capacity is not None):
@@ -301,6 +323,12 @@ def allreduce_gradients(
     fused = fuse_leaves(compress, min_size=min_size, fuse=fuse, buckets=buckets)
     with_feedback = error_feedback and not exact  # exact mode sends every nonzero: nothing to feed back
     chained = optax.chain(stages.error_feedback(fused) if with_feedback else fused, reduce, densify())
+    return _with_param_checks(chained, lambda old: _from_single_state(old, with_feedback, exact))
+
+
+def _with_param_checks(chained: optax.GradientTransformation, from_single_state=None) -> optax.GradientTransformation:
+    """``chained`` with float parameters checked at init, continuing a single-state checkpoint
+    through ``from_single_state``."""
 
     def init_fn(params):
         for i, leaf in enumerate(jax.tree.leaves(params)):
@@ -309,10 +337,30 @@ def allreduce_gradients(
 
     def update_fn(updates, state, params=None):
         if isinstance(state, AllreduceGradientsState):
-            state = _from_single_state(state, with_feedback, exact)
+            if from_single_state is None:
+                raise ValueError("allreduce_gradients: a checkpoint of the single-NamedTuple layout holds SparCML's "
+                                 "error feedback, not a global top-k residual; start from tx.init(params)")
+            state = from_single_state(state)
         return chained.update(updates, state, params)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_global_topk(algorithm: str, *, exact: bool, sparsifier: Any, **others: Any) -> None:
+    """Rejects, by name, the arguments a global top-k allreduce has no use for."""
+    if exact:
+        raise ValueError(f"algorithm={algorithm!r} needs density or k (the size of the global result)")
+    if not (isinstance(sparsifier, str) and sparsifier == "topk"):
+        raise ValueError(f"algorithm={algorithm!r} selects the top k inside the collective; sparsifier={sparsifier!r} "
+                         "cannot be used with it (leave sparsifier='topk')")
+    why = dict(quantize_bits="QSGD quantizes the dense phase of SparCML's DSAR",
+               bucket_size="QSGD quantizes the dense phase of SparCML's DSAR",
+               quantize_scale="QSGD quantizes the dense phase of SparCML's DSAR",
+               cost_model="the cost model chooses among SparCML's algorithms",
+               buckets="the global top-k allreduce runs blocking, not on the non-blocking engine")
+    for name, value in others.items():
+        if value != "max" if name == "quantize_scale" else value is not None:
+            raise ValueError(f"algorithm={algorithm!r} does not take {name}={value!r}: {why[name]}")
 
 
 def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact: bool) -> tuple:

@@ -1,0 +1,187 @@
+"""Single-process tests of allreduce_gradients with a global top-k algorithm (P = 1: the
+collective's result is this rank's top k of gradient + residual, and the rest is its residual)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sparcml_jax
+from sparcml_jax import ALGORITHMS, GLOBAL_TOPK_ALGORITHMS, allreduce_gradients, global_topk_reduce
+
+tree_get = optax.tree_utils.tree_get
+WIRED = ("spardl", "gtopk")
+
+
+def params_tree():
+    return {"dense": {"w": jnp.zeros((40, 30)), "b": jnp.zeros(30)}, "head": (jnp.zeros((30, 7)), jnp.zeros(7))}
+
+
+def integer_grads(rng, tree):
+    """Small integers: every float32 sum of them below 2**24 is exact, so the books balance exactly."""
+    return jax.tree.map(lambda p: jnp.asarray(rng.integers(-4, 5, p.shape).astype(np.float32)), tree)
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
+
+
+@pytest.mark.parametrize("algorithm", WIRED)
+@pytest.mark.parametrize("fuse,min_size", [(True, 16), (False, 16), (True, 0)])
+def test_books_balance_over_steps(algorithm, fuse, min_size):
+    """Everything sent plus the residual is the sum of every gradient, after every step."""
+    params = params_tree()
+    tx = allreduce_gradients(density=0.05, algorithm=algorithm, fuse=fuse, min_size=min_size)
+    state, update = tx.init(params), jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    total_grads = jax.tree.map(jnp.zeros_like, params)
+    total_sent = jax.tree.map(jnp.zeros_like, params)
+    for _ in range(30):
+        grads = integer_grads(rng, params)
+        sent, state = update(grads, state)
+        total_grads = jax.tree.map(jnp.add, total_grads, grads)
+        total_sent = jax.tree.map(jnp.add, total_sent, sent)
+        np.testing.assert_array_equal(_flat(total_sent) + _flat(tree_get(state, "residual")), _flat(total_grads))
+    assert float(np.abs(_flat(tree_get(state, "residual"))).sum()) > 0  # something was held back
+
+
+@pytest.mark.parametrize("algorithm", WIRED)
+def test_sends_the_top_k_of_gradient_plus_residual(algorithm):
+    """Step 1 sends the k largest magnitudes; step 2 the k largest of the new gradient plus what
+    step 1 held back, exactly as a hand computation of error feedback."""
+    n, k = 5000, 123
+    rng = np.random.default_rng(1)
+    grads = [rng.permutation(n).astype(np.float32) * rng.choice([-1, 1], n) for _ in range(2)]
+    tx = allreduce_gradients(k=k, algorithm=algorithm)
+    state, update = tx.init({"w": jnp.zeros(n)}), jax.jit(tx.update)
+    residual = np.zeros(n, np.float32)
+    for g in grads:
+        sent, state = update({"w": jnp.asarray(g)}, state)
+        acc = g + residual
+        want = np.zeros(n, np.float32)
+        top = np.argsort(-np.abs(acc), kind="stable")[:k]
+        want[top] = acc[top]
+        residual = acc - want
+        np.testing.assert_array_equal(np.asarray(sent["w"]), want)
+        np.testing.assert_array_equal(np.asarray(tree_get(state, "residual")["w"]), residual)
+
+
+@pytest.mark.parametrize("algorithm", WIRED)
+def test_stats_count_the_result(algorithm):
+    params = params_tree()  # fused: 40*30 + 30*7 = 1410 entries; small: 30 + 7
+    tx = allreduce_gradients(density=0.01, algorithm=algorithm, min_size=100)
+    _, state = jax.jit(tx.update)(integer_grads(np.random.default_rng(2), params), tx.init(params))
+    stats = tree_get(state, "stats")
+    assert float(stats.density) == pytest.approx(15 / 1410)  # ceil(1 % of 1410) entries
+    assert (ALGORITHMS + GLOBAL_TOPK_ALGORITHMS)[int(stats.algorithm)] == algorithm
+    assert float(stats.bytes_sent) == 0.0  # one process sends nothing
+
+
+def test_small_leaves_travel_whole():
+    params = params_tree()
+    tx = allreduce_gradients(density=0.01, algorithm="spardl", min_size=100)
+    grads = integer_grads(np.random.default_rng(3), params)
+    sent, state = jax.jit(tx.update)(grads, tx.init(params))
+    for path in (("dense", "b"), ("head", 1)):
+        got, want = sent, grads
+        for p in path:
+            got, want = got[p], want[p]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.any(np.asarray(tree_get(state, "residual")["dense"]["b"]))
+
+
+def test_warmup_sends_dense_then_the_top_k():
+    params = {"w": jnp.zeros(2000)}
+    tx = allreduce_gradients(k=10, algorithm="gtopk", warmup_steps=1)
+    update = jax.jit(tx.update)
+    grads = {"w": jnp.arange(1.0, 2001.0)}
+    sent, state = update(grads, tx.init(params))
+    np.testing.assert_array_equal(np.asarray(sent["w"]), np.asarray(grads["w"]))
+    assert int(tree_get(state, "stats").algorithm) == -1 and not np.any(np.asarray(tree_get(state, "residual")["w"]))
+    sent, state = update(grads, state)
+    assert int((sent["w"] != 0).sum()) == 10
+    assert GLOBAL_TOPK_ALGORITHMS[int(tree_get(state, "stats").algorithm) - len(ALGORITHMS)] == "gtopk"
+
+
+def test_without_error_feedback_the_rest_is_dropped():
+    params = {"w": jnp.zeros(2000)}
+    tx = allreduce_gradients(k=10, algorithm="spardl", error_feedback=False)
+    state, update = tx.init(params), jax.jit(tx.update)
+    grads = {"w": jnp.arange(1.0, 2001.0)}
+    for _ in range(2):  # the same 10 entries both times: nothing accumulates
+        sent, state = update(grads, state)
+        np.testing.assert_array_equal(np.nonzero(np.asarray(sent["w"]))[0], np.arange(1990, 2000))
+    assert tree_get(state, "residual") is None
+
+
+def test_stream_leaves_are_summed_exactly():
+    params = {"w": jnp.zeros(3000), "s": jnp.zeros(10_000)}
+    tx = allreduce_gradients(k=30, algorithm="spardl")
+    stream = sparcml_jax.coalesce(jnp.array([7, 9000], jnp.int32), jnp.array([2.0, -1.0]), size=10_000)
+    sent, state = jax.jit(tx.update)({"w": jnp.arange(3000.0), "s": stream}, tx.init(params))
+    np.testing.assert_array_equal(np.asarray(sent["s"].to_dense()), np.asarray(stream.to_dense()))
+    assert int((sent["w"] != 0).sum()) == 30
+    assert float(tree_get(state, "stats").density) == pytest.approx(32 / 13_000)
+
+
+def test_composes_with_partition_adam_and_a_jitted_step():
+    """A global top-k for the embedding, an exact sum for the head, adam after both."""
+    params = {"embed": jnp.zeros(2000), "head": jnp.zeros(10)}
+    reducer = optax.partition({"sparse": allreduce_gradients(density=0.01, algorithm="gtopk", min_size=0),
+                               "exact": allreduce_gradients()}, {"embed": "sparse", "head": "exact"})
+    tx = optax.chain(reducer, optax.adam(1e-2))
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    grads = {"embed": jnp.arange(2000.0), "head": jnp.ones(10)}
+    for _ in range(3):
+        p, s = step(p, s, grads)
+    sparse_state = s[0].inner_states["sparse"]
+    assert float(tree_get(sparse_state, "stats").density) == pytest.approx(0.01)
+    assert int((p["embed"] != 0).sum()) <= 3 * 20 and int((p["head"] != 0).sum()) == 10
+    assert float(tree_get(sparse_state, "residual")["embed"].sum()) > 0
+
+
+def test_the_stage_alone_sums_every_dense_leaf_as_its_own_buffer():
+    params = {"a": jnp.zeros(100), "b": jnp.zeros((10, 30))}
+    tx = optax.chain(global_topk_reduce(k=40, algorithm="spardl"), sparcml_jax.densify())
+    grads = {"a": jnp.arange(100.0), "b": jnp.arange(300.0).reshape(10, 30)}
+    sent, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert int((sent["a"] != 0).sum()) == 10 and int((sent["b"] != 0).sum()) == 30  # k shared 1 : 3
+    np.testing.assert_array_equal(np.asarray(sent["b"] + tree_get(state, "residual")["b"]), np.asarray(grads["b"]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(quantize_bits=4), "quantize_bits"),
+    (dict(bucket_size=512), "bucket_size"),
+    (dict(quantize_scale="l2"), "quantize_scale"),
+    (dict(sparsifier="randomk"), "sparsifier"),
+    (dict(sparsifier=lambda v, k, key: sparcml_jax.topk(v, k)), "sparsifier"),
+    (dict(buckets=2), "buckets"),
+    (dict(cost_model=sparcml_jax.CostModel(alpha=1e-6, beta=1e-9)), "cost_model"),
+    (dict(density=None), "needs density or k"),
+    (dict(capacity=100), "capacity"),
+])
+def test_arguments_without_use_are_rejected_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        allreduce_gradients(**{"density": 0.01, "algorithm": "spardl", **kwargs})
+
+
+def test_unknown_algorithm_names_both_families():
+    with pytest.raises(ValueError, match="spardl"):
+        allreduce_gradients(density=0.01, algorithm="sparDL")
+
+
+def test_a_single_state_checkpoint_does_not_continue_a_global_top_k():
+    params = {"w": jnp.zeros(2000)}
+    old = allreduce_gradients(density=0.01)
+    single = sparcml_jax.AllreduceGradientsState(
+        {"w": jnp.zeros(2000)}, jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
+        tree_get(old.init(params), "stats"))
+    with pytest.raises(ValueError, match="tx.init"):
+        allreduce_gradients(density=0.01, algorithm="spardl").update({"w": jnp.ones(2000)}, single)
