@@ -9,8 +9,10 @@ import pytest
 from mpi_spawn import run_under_mpirun
 
 from sparcml_jax import CostModel
+from sparcml_jax.bench.allreduce import SPARCML_BESIDE_GLOBAL_TOPK
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 
-ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max",
+ROW_KEYS = {"P", "N", "density", "support", "algorithm", "transport", "timed_from", "chosen", "median", "min", "max",
             "ratio_to_dense", "bytes_sent_max", "result_density", "predicted", "network", "calls_per_sample",
             "steal_seconds", "page_faults", "auto_over_best_fixed"}
 SHORT_SLICE = Path(__file__).parent.parent / "tools" / "short_slice.py"
@@ -27,6 +29,7 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
                                               "allgather+dense sum (DGC)",
                                               "ssar_recursive_doubling", "ssar_split_allgather",
                                               "dsar_split_allgather", "sparse_ring", "auto"}
+    assert not {r["algorithm"] for r in rows} & set(GLOBAL_TOPK_ALGORITHMS)  # only --sweep global-topk adds them
     for r in rows:
         assert r["P"] == 2
         if r["bytes_sent_max"] is not None:  # the sparse runs: something sent, a density of the result
@@ -36,6 +39,48 @@ def test_quick_allreduce_sweep_and_report(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "| best SparCML |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_global_topk_sweep_beside_sparcml(tmp_path, nprocs):
+    """``--sweep global-topk`` at a tiny size: every global top-k algorithm and SparCML's, from
+    the dense accumulator and (SparCML) from its top-k stream, on both transports, beside dense."""
+    size, density = 4096, 0.01
+    k = round(size * density)
+    out = tmp_path / "global.json"
+    result = run_under_mpirun(nprocs, ["-m", "sparcml_jax.bench", "allreduce", "--sweep", "global-topk", "--sizes",
+                                       str(size), "--densities", str(density), "--reps", "2", "--no-baselines",
+                                       "--json", str(out)], timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "including the local selection topk(x, k)" in result.stdout
+    rows = json.loads(out.read_text())
+    assert all(ROW_KEYS <= set(r) and r["P"] == nprocs and r["support"] == "topk" for r in rows)
+    transports = ("native", "mpi4jax")
+    expected = {("dense mpi4jax", "-", "x")}
+    expected |= {(a, t, f) for a in SPARCML_BESIDE_GLOBAL_TOPK for t in transports for f in ("stream", "x")}
+    expected |= {(a, t, "x") for a in GLOBAL_TOPK_ALGORITHMS for t in transports}
+    by_name = {(r["algorithm"], r["transport"], r["timed_from"]): r for r in rows}
+    assert set(by_name) == expected and len(rows) == len(expected)
+    for (algorithm, transport, timed_from), r in by_name.items():
+        assert r["median"] > 0 and r["ratio_to_dense"] > 0
+        if algorithm in GLOBAL_TOPK_ALGORITHMS:  # about k entries whatever P is
+            bound = 2 * k + nprocs if algorithm == "oktopk" else k + nprocs  # Ok-Topk: a step between re-evaluations
+            assert 0 < r["result_density"] * size <= bound, r
+        elif algorithm != "dense mpi4jax":
+            # Timed from x, SparCML reduces the very streams of its stream rows: same bytes, same result.
+            stream_row = by_name[(algorithm, transport, "stream")]
+            assert (r["bytes_sent_max"], r["result_density"]) == (stream_row["bytes_sent_max"],
+                                                                  stream_row["result_density"]), (r, stream_row)
+            assert r["result_density"] * size >= k
+            assert (r["predicted"] is None) == (timed_from == "x")
+        if algorithm != "dense mpi4jax":
+            assert (r["bytes_sent_max"] > 0) == (nprocs > 1), r
+    report = subprocess.run([sys.executable, "-m", "sparcml_jax.bench", "report", str(out), "--out", str(tmp_path),
+                             "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    text = (tmp_path / "report.md").read_text()
+    assert "## Global top-k against SparCML" in text
+    assert all(f"| {a} | native |" in text for a in (*GLOBAL_TOPK_ALGORITHMS, *SPARCML_BESIDE_GLOBAL_TOPK))
 
 
 def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):

@@ -10,6 +10,12 @@ also record the CPU time the hypervisor took during their cell and the page faul
 their slowest rank, the two usual suspects when a row runs slow, and the cost model's prediction.
 ``auto`` is judged by one number: its time over the best fixed algorithm's on its transport.
 
+``--sweep global-topk`` sets the global top-k allreduces (SparDL, gTop-k, Ok-Topk) beside SparCML's
+algorithms on the same input, every rank's dense random accumulator ``x`` with a budget of
+``k = density N`` entries: the global ones get ``x`` and ``k``, SparCML's get ``topk(x, k)``.
+Rows say what their time starts from (``timed_from``): ``x`` rows include the local top-k
+selection, as a training step pays it; SparCML's ``stream`` rows time its collective alone.
+
 With more ranks than cores, run the ranks under ``tools/short_slice.py`` (see there).
 """
 
@@ -33,12 +39,19 @@ from mpi4py import MPI
 
 from sparcml_jax.bench._timing import block, fmt_time, print_table, repeated_in_one_program
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allgather, sparse_allreduce
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.auto import cost_model_for
+from sparcml_jax.collectives.global_topk import GlobalTopkStats, global_topk_allreduce
 from sparcml_jax.comm import resolve_comm
 from sparcml_jax.kernels.partition import scatter_add
+from sparcml_jax.kernels.topk import topk
 from sparcml_jax.stream import SparseStream
 
-SUPPORTS = ("uniform", "identical", "disjoint", "powerlaw")
+# "topk": each rank's stream is the top k of its own dense random accumulator (make_accumulator).
+SUPPORTS = ("uniform", "identical", "disjoint", "powerlaw", "topk")
+# SparCML's algorithms measured beside the global top-k ones (the dense baseline runs anyway).
+SPARCML_BESIDE_GLOBAL_TOPK = ("auto", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather",
+                              "sparse_ring")
 
 
 def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: int = 0) -> SparseStream:
@@ -57,6 +70,11 @@ def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: i
     idx = np.sort(idx).astype(np.int32)
     values = rng.integers(1, 8, k).astype(np.float32)
     return SparseStream(jnp.asarray(idx), jnp.asarray(values), jnp.int32(k), size)
+
+
+def make_accumulator(size: int, rank: int, seed: int = 0) -> jax.Array:
+    """A rank's dense float32 accumulator (gradient plus residual): standard normal, its own seed."""
+    return jnp.asarray(np.random.default_rng(seed + 1000 + rank).standard_normal(size, dtype=np.float32))
 
 
 def allgather_then_densify(s: SparseStream, *, comm: MPI.Comm) -> jax.Array:
@@ -98,8 +116,11 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
 
     ``full`` covers growth with density at two sizes, growth with N at 1 %, and every support
     pattern where SparCML's algorithms differ most; ``issue`` is the 2^22 table of the
-    collectives issue; ``quick`` is a smoke run.
+    collectives issue; ``global-topk`` the 2^22 table of the global top-k issue (each rank's
+    top k of its own dense accumulator); ``quick`` is a smoke run.
     """
+    if kind == "global-topk":
+        return [(1 << 22, d, "topk") for d in (0.001, 0.01)]
     if kind == "quick":
         return [(1 << 14, 0.01, "uniform"), (1 << 14, 0.3, "uniform")]
     if kind == "issue":
@@ -113,7 +134,10 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
 
 
 def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress=None, calls_per_sample=1,
-        model=None):
+        model=None, global_topk=()):
+    """The rows of every cell: each of ``algorithms`` (SparCML's) and ``global_topk`` on each of
+    ``transports``, beside the dense baseline (and with ``baselines`` the allgather and mpi4py
+    ones), and the cost model used for ``auto`` and the predictions."""
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm, model)
@@ -122,8 +146,14 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
         k = max(1, int(round(size * density)))
         if progress:
             progress(cell_index, len(cells), f"N=2^{int(math.log2(size))} density={density:.2%} {support}")
-        s = make_stream(size, k, support, rank, nprocs)
-        cases = _cases(s, algorithms, transports, comm, model, baselines)
+        if support == "topk":
+            x = make_accumulator(size, rank)
+            s = topk(x, k)
+        else:
+            s = make_stream(size, k, support, rank, nprocs)
+            x = s.to_dense()
+        cases = _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines,
+                       sparcml_from_x=support == "topk")
         stats, timed = _compiled_cases(cases, calls_per_sample)
         samples, faults, steal = _interleaved_samples(comm, timed, reps, calls_per_sample)
         cell = dict(P=nprocs, N=size, density=density, support=support, calls_per_sample=calls_per_sample,
@@ -134,23 +164,60 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
     return rows, model
 
 
-def _cases(s, algorithms, transports, comm, model, baselines) -> dict:
-    """(name, transport) -> (jittable call, its arguments), or (None, a call outside JAX)."""
-    dense_x = s.to_dense()
-    cases = {("dense mpi4jax", "-"): (lambda x: dense_allreduce(x, comm=comm), (dense_x,))}
+def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines, sparcml_from_x=False) -> dict:
+    """(name, transport, timed from) -> (jittable call, its arguments), or (None, a call outside
+    JAX). A call that reports stats returns ``(result, stats)``. ``timed from`` is ``"stream"``
+    (the call gets this rank's stream ``s``) or ``"x"`` (the dense vector ``x``; with
+    ``sparcml_from_x``, SparCML's algorithms are also timed from ``x``, selecting ``topk(x, k)``
+    inside the call)."""
+    cases = {("dense mpi4jax", "-", "x"): (lambda x: dense_allreduce(x, comm=comm), (x,))}
     if baselines:
-        host = np.array(dense_x)
+        host = np.array(x)
         host_sum = np.empty_like(host)
-        cases[("mpi4py Allreduce (numpy)", "-")] = (None, lambda: comm.Allreduce(host, host_sum, op=MPI.SUM))
+        cases[("mpi4py Allreduce (numpy)", "-", "x")] = (None, lambda: comm.Allreduce(host, host_sum, op=MPI.SUM))
         for transport in transports:
-            cases[("naive allgather+sum", transport)] = (
+            cases[("naive allgather+sum", transport, "stream")] = (
                 lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t, return_stats=True), (s,))
-        cases[("allgather+dense sum (DGC)", "mpi4jax")] = (lambda s: allgather_then_densify(s, comm=comm), (s,))
+        cases[("allgather+dense sum (DGC)", "mpi4jax", "stream")] = (
+            lambda s: allgather_then_densify(s, comm=comm), (s,))
     for transport in transports:
         for algorithm in algorithms:
-            cases[(algorithm, transport)] = (lambda s, a=algorithm, t=transport: sparse_allreduce(
-                s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True), (s,))
+            def sparcml(s, a=algorithm, t=transport):
+                return sparse_allreduce(s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True)
+
+            cases[(algorithm, transport, "stream")] = (sparcml, (s,))
+            if sparcml_from_x:
+                cases[(algorithm, transport, "x")] = (lambda x, sparcml=sparcml: sparcml(topk(x, k)), (x,))
+        for algorithm in global_topk:
+            cases[(algorithm, transport, "x")] = _global_topk_case(algorithm, transport, x, k, comm)
     return cases
+
+
+def _global_topk_case(algorithm: str, transport: str, x, k: int, comm):
+    """A global top-k allreduce of ``x`` as a case: the call returns ``((total, residual, ...), stats)``.
+
+    Ok-Topk is timed on a step between its re-evaluations, as most of its steps run (127 of 128
+    with the default ``tau``): the state after one first step, whose exact thresholds and
+    balanced regions the timed calls carry.
+    """
+    options = dict(algorithm=algorithm, comm=comm, transport=transport)
+    if algorithm == "oktopk":
+        from sparcml_jax.collectives.global_topk import init_oktopk_state
+
+        _, _, state = global_topk_allreduce(x, k, oktopk_state=init_oktopk_state(comm), **options)
+
+        def stepped(x, state):
+            total, residual, next_state, stats = global_topk_allreduce(x, k, oktopk_state=state, return_stats=True,
+                                                                       **options)
+            return (total, residual, next_state), stats
+
+        return stepped, (x, state)
+
+    def call(x):
+        total, residual, stats = global_topk_allreduce(x, k, return_stats=True, **options)
+        return (total, residual), stats
+
+    return call, (x,)
 
 
 def _compiled_cases(cases: dict, calls_per_sample: int) -> tuple[dict, dict]:
@@ -192,13 +259,16 @@ def _interleaved_samples(comm, timed: dict, reps: int, calls_per_sample: int):
 def _cell_rows(cell: dict, samples: dict, stats: dict, faults: dict, comm, model, k: int, reps: int) -> list[dict]:
     """One row per case of a cell: times, ratios to dense, bytes, result density and the prediction."""
     size, nprocs = cell["N"], cell["P"]
-    dense_median = float(np.median(samples[("dense mpi4jax", "-")]))
+    dense_median = float(np.median(samples[("dense mpi4jax", "-", "x")]))
     rows = []
     for name, times in samples.items():
         st = stats.get(name)
-        chosen = ALGORITHMS[int(st.algorithm)] if st is not None and int(st.algorithm) >= 0 else None
+        sparcml_stats = st is not None and not isinstance(st, GlobalTopkStats)
+        chosen = ALGORITHMS[int(st.algorithm)] if sparcml_stats and int(st.algorithm) >= 0 else None
         sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
-        if name[0] in ALGORITHMS or name[0] == "auto":
+        if name[2] == "x" and (name[0] in ALGORITHMS or name[0] == "auto"):
+            predicted = None  # the model prices the collective, not the selection before it
+        elif name[0] in ALGORITHMS or name[0] == "auto":
             predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
                                             transport=name[1], capacity=k))
         elif name[0].startswith("dense") or name[0].startswith("mpi4py"):  # MPI_Allreduce of a dense vector
@@ -206,14 +276,16 @@ def _cell_rows(cell: dict, samples: dict, stats: dict, faults: dict, comm, model
         else:
             predicted = None
         rows.append(dict(
-            cell, algorithm=name[0], transport=name[1], chosen=chosen, median=float(np.median(times)),
-            min=float(np.min(times)), max=float(np.max(times)), ratio_to_dense=float(np.median(times)) / dense_median,
+            cell, algorithm=name[0], transport=name[1], timed_from=name[2], chosen=chosen,
+            median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
+            ratio_to_dense=float(np.median(times)) / dense_median,
             bytes_sent_max=sent, result_density=int(st.result_nnz) / size if st is not None else None,
             predicted=predicted, page_faults=comm.allreduce(faults[name], op=MPI.MAX) / (reps * cell["calls_per_sample"]),
             **{f"model_{field}": value for field, value in dataclasses.asdict(model).items()},
         ))
-    for row in rows:  # auto against the best fixed algorithm on its transport
-        fixed = [r["median"] for r in rows if r["transport"] == row["transport"] and r["algorithm"] in ALGORITHMS]
+    for row in rows:  # auto against the best fixed algorithm on its transport, timed from the same input
+        fixed = [r["median"] for r in rows if r["transport"] == row["transport"] and r["algorithm"] in ALGORITHMS
+                 and r["timed_from"] == row["timed_from"]]
         row["auto_over_best_fixed"] = row["median"] / min(fixed) if row["algorithm"] == "auto" and fixed else None
     return rows
 
@@ -228,12 +300,18 @@ def _progress_bar(done: int, total: int, label: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpirun -n P python -m sparcml_jax.bench allreduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", default="issue", choices=["quick", "issue", "full"],
+    parser.add_argument("--sweep", default="issue", choices=["quick", "issue", "full", "global-topk"],
                         help="which cells to measure (see scenarios()); --sizes/--densities/--supports override")
     parser.add_argument("--sizes", type=int, nargs="+")
     parser.add_argument("--densities", type=float, nargs="+")
-    parser.add_argument("--supports", nargs="+", choices=SUPPORTS)
-    parser.add_argument("--algorithms", nargs="+", default=[*ALGORITHMS, "auto"])
+    parser.add_argument("--supports", nargs="+", choices=SUPPORTS,
+                        help="default with --sizes/--densities: topk for --sweep global-topk, else uniform")
+    parser.add_argument("--algorithms", nargs="+", choices=[*ALGORITHMS, "auto"],
+                        help=f"SparCML's algorithms; default: all and auto, for --sweep global-topk "
+                             f"{' '.join(SPARCML_BESIDE_GLOBAL_TOPK)}")
+    parser.add_argument("--global-topk", nargs="*", choices=GLOBAL_TOPK_ALGORITHMS, metavar="ALGORITHM",
+                        help="global top-k allreduces of each rank's dense vector, "
+                             f"{{{','.join(GLOBAL_TOPK_ALGORITHMS)}}}; default: all for --sweep global-topk, else none")
     parser.add_argument("--transports", nargs="+", default=["native", "mpi4jax"])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--calls-per-sample", type=int, default=1, metavar="R",
@@ -263,10 +341,10 @@ def _report(args, rows: list[dict], model, comm) -> None:
           f"dense allreduce={model.dense_beta * 1e9:.3f} ns/B  merge={model.pair_cost * 1e9:.2f} ns/pair  "
           f"pass={model.element_cost * 1e9:.3f} ns/element")
     print_table(
-        ["N", "density", "support", "algorithm", "transport", "chosen", "median", "min", "max", "vs dense",
+        ["N", "density", "support", "algorithm", "transport", "from", "chosen", "median", "min", "max", "vs dense",
          "auto/best", "MB sent/rank", "result density", "model"],
         [[f"2^{int(math.log2(r['N']))}", f"{r['density']:.2%}", r["support"], r["algorithm"], r["transport"],
-          r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
+          r["timed_from"], r["chosen"] or "", fmt_time(r["median"]), fmt_time(r["min"]), fmt_time(r["max"]),
           f"{r['ratio_to_dense']:.3f}", "" if r["auto_over_best_fixed"] is None else f"{r['auto_over_best_fixed']:.2f}",
           "" if r["bytes_sent_max"] is None else f"{r['bytes_sent_max'] / 1e6:.3f}",
           "" if r["result_density"] is None else f"{r['result_density']:.2%}",
@@ -274,6 +352,9 @@ def _report(args, rows: list[dict], model, comm) -> None:
     )
     print("vs dense = median time / median time of the dense mpi4jax allreduce in the same run (lower is better); "
           "auto/best = auto's median over the best fixed algorithm's on its transport")
+    if any(r["timed_from"] == "x" and r["algorithm"] in (*ALGORITHMS, "auto") for r in rows):
+        print("from x: timed from this rank's dense vector x, SparCML's rows including the local selection "
+              "topk(x, k); from stream: the collective alone, handed topk(x, k)")
     if args.calls_per_sample > 1:
         print(f"times are per call, {args.calls_per_sample} calls per jitted program (dispatched once, as in a "
               "training step)")
@@ -301,15 +382,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.sweep, args.reps = "quick", 3
     cells = scenarios(args.sweep)
+    global_sweep = args.sweep == "global-topk"
     if args.sizes or args.densities or args.supports:
         cells = [(n, d, sup) for n in (args.sizes or [1 << 22]) for d in (args.densities or [0.001, 0.01, 0.1])
-                 for sup in (args.supports or ["uniform"])]
+                 for sup in (args.supports or ["topk" if global_sweep else "uniform"])]
+    if args.algorithms is None:
+        args.algorithms = list(SPARCML_BESIDE_GLOBAL_TOPK if global_sweep else (*ALGORITHMS, "auto"))
+    if args.global_topk is None:
+        args.global_topk = list(GLOBAL_TOPK_ALGORITHMS if global_sweep else ())
     comm = resolve_comm(None)
     if args.calls_per_sample < 1:
         parser.error(f"--calls-per-sample must be at least 1, got {args.calls_per_sample}")
     model = CostModel.load(args.cost_model) if args.cost_model else None
     rows, model = run(cells, args.algorithms, args.transports, args.reps, comm, baselines=not args.no_baselines,
-                      calls_per_sample=args.calls_per_sample, model=model,
+                      calls_per_sample=args.calls_per_sample, model=model, global_topk=args.global_topk,
                       progress=_progress_bar if comm.Get_rank() == 0 else None)
     _report(args, rows, model, comm)
     return rows

@@ -3,6 +3,9 @@ and paper-style plots: time versus density per algorithm beside the dense line, 
 versus P. Plots need the optional matplotlib (``pip install sparcml_jax[plots]``).
 
     python -m sparcml_jax.bench report results/*.json --out results/
+
+Runs of ``bench allreduce --sweep global-topk`` add the global top-k tables: every algorithm's
+time from the dense accumulator, its ratio to dense, and its result density and bytes per rank.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 SPARSE = ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
+GLOBAL_TOPK = ("spardl", "oktopk", "gtopk")
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -22,6 +26,8 @@ def load(paths: list[str]) -> list[dict]:
         for row in json.loads(Path(path).read_text()):
             row.setdefault("network", "local")
             row.setdefault("calls_per_sample", 1)
+            dense_input = row["algorithm"].startswith("dense") or row["algorithm"].startswith("mpi4py")
+            row.setdefault("timed_from", "x" if dense_input else "stream")
             rows.append(row)
     return rows
 
@@ -30,6 +36,8 @@ def summary_table(rows: list[dict]) -> str:
     """Per cell: dense, the best SparCML algorithm, auto and the baselines, as ratios to dense."""
     cells = defaultdict(dict)
     for r in rows:
+        if r["timed_from"] == "x" and (r["algorithm"] in (*SPARSE, "auto") or r["algorithm"] in GLOBAL_TOPK):
+            continue  # SparCML's collectives are compared on their streams (the global top-k tables: from x)
         key = (r["network"], r["calls_per_sample"], r["P"], r["N"], r["support"], r["density"])
         cells[key][(r["algorithm"], r["transport"])] = r
     lines = ["| network | calls per program | P | N | support | density | dense ms | best SparCML | best / dense "
@@ -83,6 +91,52 @@ def model_table(rows: list[dict], min_bytes: float = 1e6) -> str:
                      f"{r['algorithm']} | {r['transport']} | {sent / 1e6:.2f} | {r['median'] * 1e3:.2f} | "
                      f"{r['predicted'] * 1e3:.2f} | {r['median'] / r['predicted']:.2f} |")
     return "\n".join(lines)
+
+
+def global_topk_tables(rows: list[dict]) -> str:
+    """Per network and N, the global top-k allreduces beside SparCML's algorithms and dense,
+    one column per (density, P): the median time from each rank's dense accumulator ``x`` with
+    its ratio to dense and, for SparCML, its collective alone in brackets; then the result
+    density and the MB sent per rank (the maximum over ranks)."""
+    grids = defaultdict(list)
+    for r in rows:
+        grids[(r["network"], r["calls_per_sample"], r["N"])].append(r)
+    sections = []
+    for (network, calls, n), rs in sorted(grids.items()):
+        if not any(r["algorithm"] in GLOBAL_TOPK for r in rs):
+            continue
+        columns = sorted({(r["density"], r["P"]) for r in rs})
+        by = {(r["algorithm"], r["transport"], r["timed_from"], r["density"], r["P"]): r for r in rs}
+        names = [("dense mpi4jax", "-")]
+        for algorithm in ("auto", *SPARSE, *GLOBAL_TOPK):
+            names += sorted({(a, t) for a, t, f, _, _ in by if a == algorithm and f == "x"},
+                            key=lambda name: name[1] != "native")
+        head = "| algorithm | transport | " + " | ".join(f"{d:.1%} P={p}" for d, p in columns) + " |"
+        rule = "|---|---|" + "---|" * len(columns)
+        times, volumes = [head, rule], [head, rule]
+        for algorithm, transport in names:
+            time_cells, volume_cells = [], []
+            for density, p in columns:
+                r = by.get((algorithm, transport, "x", density, p))
+                alone = by.get((algorithm, transport, "stream", density, p))
+                if r is None:
+                    time_cells.append("")
+                    volume_cells.append("")
+                    continue
+                cell = f"{r['median'] * 1e3:.2f} ({r['ratio_to_dense']:.2f}x)"
+                time_cells.append(cell + (f" [{alone['median'] * 1e3:.2f}]" if alone else ""))
+                if r["bytes_sent_max"] is None:
+                    volume_cells.append(f"100% / {2 * (p - 1) / p * 4 * r['N'] / 1e6:.1f}")  # reduce-scatter + allgather
+                else:
+                    chosen = f" ({r['chosen']})" if algorithm == "auto" and r.get("chosen") else ""
+                    volume_cells.append(f"{r['result_density']:.2%} / {r['bytes_sent_max'] / 1e6:.2f}{chosen}")
+            times.append(f"| {algorithm} | {transport} | " + " | ".join(time_cells) + " |")
+            volumes.append(f"| {algorithm} | {transport} | " + " | ".join(volume_cells) + " |")
+        title = f"{network}, N = 2^{int(math.log2(n))}" + ("" if calls == 1 else f", {calls} calls per program")
+        sections.append(
+            f"### {title}: ms from x (ratio to dense) [SparCML's collective alone]\n\n" + "\n".join(times)
+            + f"\n\n### {title}: result density / MB sent per rank\n\n" + "\n".join(volumes))
+    return "\n\n".join(sections)
 
 
 def plots(rows: list[dict], out: Path) -> list[Path]:
@@ -161,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     per_call = [r for r in rows if r["calls_per_sample"] == 1]
     text = ("## Summary\n\n" + summary_table(rows) + "\n\n## Measured vs model (messages above 1 MB)\n\n"
             + model_table(per_call))
+    global_topk = global_topk_tables(rows)
+    if global_topk:
+        text += "\n\n## Global top-k against SparCML\n\n" + global_topk
     written = []
     if not args.no_plots:
         try:
