@@ -1,12 +1,15 @@
-"""The cost model behind ``algorithm="auto"`` (SparCML §5.3 and Appendix B).
+"""The cost model behind ``algorithm="auto"`` (SparCML §5.3 and Appendix B), which also prices
+the global top-k allreduces (SparDL, gTop-k).
 
 The model prices an algorithm by running its definition on :class:`Pricing`, a transport whose
 streams are estimates: every operation adds its predicted seconds, so the model prices exactly
 the messages and merges the algorithm makes. A message of ``b`` bytes costs ``alpha + b beta``.
 Result density follows the uniform union bound: ``m`` streams of ``k`` random nonzeros out of
-``N`` cover ``N (1 - (1 - k/N)^m)`` indices. On top of the paper's wire terms the model prices
-what dominates on a node: the dense allreduce as measured, merges per pair, and passes over
-length-N buffers.
+``N`` cover ``N (1 - (1 - k/N)^m)`` indices. A selection (the global top-k algorithms re-select
+inside the collective) holds the entries it kept, whatever the fan-in: SparDL's result stays at
+about ``k`` entries for any P. On top of the paper's wire terms the model prices what dominates
+on a node: the dense allreduce as measured, merges per pair, passes over length-N buffers and
+the selections' reads of their values.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Sequence
 from mpi4py import MPI
 
 from sparcml_jax.comm import Combine, Quantize
-from sparcml_jax.comm.topology import (exchange_capacity, gathered_capacity, grown_capacity, largest_part_capacity,
-                                       longest_part, part_capacity, peers_of, segment_capacities, segment_slot)
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, exchange_capacity, gathered_capacity,
+                                       grown_capacity, largest_part_capacity, longest_part, owned_slot, part_capacity,
+                                       peers_of, segment_capacities, segment_slot, selected_capacity)
 from sparcml_jax.stream import dense_threshold
 
 
@@ -43,6 +47,11 @@ class CostModel:
       element_cost: seconds per float32 element read or written by a pass over a length-N
         vector (densify, padding, a result buffer): half a jitted ``x * 2`` over 16 MB into a
         fresh buffer.
+      select_cost: seconds per value a top-k selection reads (:func:`sparcml_jax.topk`, the
+        radix selection of the global top-k algorithms): the kernel on 2^22 dense values at 1 %,
+        every rank at once (:func:`sparcml_jax.collectives.selection_cost.measure_select_cost`).
+        It is compute-bound (histograms), so not a multiple of ``element_cost``: 0.5 ns per value
+        in one process here at 2^22 and at 2^24, where a pass's cost per element differed 7x.
 
     Example:
       >>> from sparcml_jax import CostModel
@@ -53,6 +62,13 @@ class CostModel:
       >>> dense = model.predict("dense", **top_k)
       >>> bool(sparse < dense)
       True
+
+      A global top-k takes the dense accumulator; ``nnz`` is ``k``, the size of its result.
+      SparDL's Spar-Reduce-Scatter sends P - 1 blocks of k / P pairs whatever P is:
+
+      >>> srs = [model.pricing("spardl", size=1 << 22, nnz=41943, nprocs=p).sent for p in (8, 64)]
+      >>> [round(b / 8) for b in srs]  # pairs sent per rank: (P - 1) kb + (P - 1) kb (allgather)
+      [73402, 82656]
     """
 
     alpha: float
@@ -61,13 +77,16 @@ class CostModel:
     dense_beta: float = 0.0
     pair_cost: float = 0.0
     element_cost: float = 0.0
+    select_cost: float = 0.0
 
     @classmethod
     def calibrate(cls, comm: MPI.Comm) -> "CostModel":
-        """Measures the model on ``comm``: a collective call (see :func:`calibrate.measure`)."""
+        """Measures the model on ``comm``: a collective call (see :func:`calibrate.measure` and
+        :func:`selection_cost.measure_select_cost`)."""
         from sparcml_jax.collectives.calibrate import measure
+        from sparcml_jax.collectives.selection_cost import measure_select_cost
 
-        return cls(*measure(comm))
+        return cls(*measure(comm), select_cost=measure_select_cost(comm))
 
     def save(self, path: str) -> None:
         """Writes the model as JSON (``SPARCML_JAX_COST_MODEL`` names such a file)."""
@@ -101,15 +120,20 @@ class CostModel:
     def predict(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
                 capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> float:
         """Predicted seconds of one allreduce of streams of ``nnz`` nonzeros (the largest over
-        ranks) and static ``capacity`` (default: ``size``)."""
+        ranks) and static ``capacity`` (default: ``size``). For a global top-k algorithm
+        (``GLOBAL_TOPK_ALGORITHMS``) the input is every rank's dense accumulator and ``nnz`` is
+        ``k``, the size of the result; its local selections are priced too."""
         return self.pricing(algorithm, size=size, nnz=nnz, nprocs=nprocs, transport=transport, capacity=capacity,
                             quantize_bits=quantize_bits, delta=delta).seconds
 
     def pricing(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
                 capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> "Pricing":
-        """The algorithm's definition run on :class:`Pricing`: its seconds and staged elements."""
-        from sparcml_jax.collectives._plan import Quantization, definition
+        """The algorithm's definition run on :class:`Pricing`: its seconds, bytes sent and staged elements."""
+        from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS, Quantization, definition
 
+        if algorithm in GLOBAL_TOPK_ALGORITHMS:
+            return self._global_topk_pricing(algorithm, size=size, k=int(nnz), nprocs=nprocs, transport=transport,
+                                             delta=delta)
         capacity = size if capacity is None else capacity
         # Whole static buffers: the mpi4jax transport is priced as full as its capacities allow.
         per_rank = capacity if transport == "mpi4jax" else nnz
@@ -119,18 +143,34 @@ class CostModel:
             t.result(definition(algorithm)(t, Estimate(size, capacity, 1), **options))
         return t
 
+    def _global_topk_pricing(self, algorithm: str, *, size: int, k: int, nprocs: int, transport: str,
+                             delta: float) -> "Pricing":
+        """A global top-k on the dense accumulators: priced for any P (one rank still selects)."""
+        from sparcml_jax.collectives._plan import definition
+
+        t = Pricing(self, size=size, nnz=size, nprocs=nprocs, transport=transport, delta=delta)
+        # The accumulator enters as a dense stream: XLA writes its indices 0..N-1.
+        t.charge_passes(size)
+        total, residual = definition(algorithm)(t, Estimate(size, size, 1, entries=size), k=min(k, size))
+        t.result(total)
+        t.hand_over_residual(residual)
+        return t
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     """A stream as the model sees it: over ``size`` entries, in ``capacity`` static slots, the
     sum of ``fan_in`` ranks' streams (each of the per-rank count, uniform over the vector).
-    ``dense_values`` marks a reduce-scatter's dense slice; a part keeps ``source_capacity``."""
+    ``dense_values`` marks a reduce-scatter's dense slice; a part keeps ``source_capacity`` (-1:
+    a selected part, which travels as its pairs). ``entries``, when not negative, is the
+    expected count itself (a selection's, a dense vector's) in place of the union bound."""
 
     size: int
     capacity: int
     fan_in: int
     dense_values: bool = False
     source_capacity: int = -1
+    entries: float = -1.0
 
 
 class Pricing:
@@ -143,11 +183,18 @@ class Pricing:
     accessed / 4``, which tests/mpi/test_cost_model.py checks); the native transport stages nothing.
     """
 
+    name = "pricing"
+    nonblocking = False
+
     def __init__(self, model: CostModel, *, size: int, nnz: float, nprocs: int, transport: str, delta: float):
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
         self.static = transport == "mpi4jax"
+        self.variable_length = not self.static
         self.k = float(nnz)
         self._seconds = 0.0
+        self._sent = 0.0
+        self.messages = 0  # rank 0's messages priced so far (rounds of every rank at once)
+        self.result_entries = 0.0  # the expected entries of the result, once priced
         self._staged = [0.0] * nprocs
         # A rank that takes no part in an exchange pads its stream to the new capacity; XLA drops
         # the padding if the stream is replaced before it is used.
@@ -162,6 +209,26 @@ class Pricing:
     def staged(self) -> float:
         return max(s + pad for s, pad in zip(self._staged, self._padding)) if self.static else 0.0
 
+    @property
+    def size(self) -> int:
+        return self.n
+
+    @property
+    def sent(self) -> float:
+        """Bytes rank 0 sends in the operations priced so far by their messages (the exchanges,
+        Spar-Reduce-Scatter rounds and allgathers of selected parts)."""
+        return self._sent
+
+    def charge_passes(self, elements: float) -> None:
+        """Elements read or written by local passes outside the definition's operations."""
+        self._seconds += elements * self.model.element_cost
+
+    def hand_over_residual(self, residual: Estimate) -> None:
+        """A global top-k's residual is written into the caller's length-N buffer (natively; the
+        mpi4jax transport's is an XLA value already)."""
+        if not self.static:
+            self.charge_passes(2 * residual.size)
+
     def _stage_everywhere(self, elements: float) -> None:
         self._staged = [s + elements for s in self._staged]
 
@@ -169,6 +236,8 @@ class Pricing:
 
     def count(self, e: Estimate) -> float:
         """Expected entries of ``e``: the union bound, or for static buffers the sum of capacities."""
+        if e.entries >= 0:
+            return min(e.entries, e.size)
         n = max(self.n, 1)
         if self.static:
             return min(self.k * e.fan_in * e.size / n, e.size)
@@ -220,12 +289,22 @@ class Pricing:
     def result(self, e: Estimate) -> None:
         """The result is handed over in its static capacity: the slots past its entries are
         written too (padding), and whatever consumes the stream visits them."""
+        self.result_entries = self.count(e)
         self._seconds += 2 * max(e.capacity - self.count(e), 0.0) * self.model.element_cost
 
     # --------------------------------------------------------------------------- operations
 
-    def exchange(self, s: Estimate, pairs: Sequence[tuple[int, int]], *, combine: Combine) -> Estimate:
-        out = Estimate(s.size, exchange_capacity(s.capacity, s.size, combine, self.delta), s.fan_in)
+    def _send(self, nbytes: float, sends: bool = True) -> float:
+        """One message of rank 0's round (priced whether rank 0 sends it or receives its like)."""
+        self.messages += 1
+        if sends:
+            self._sent += nbytes
+        return self.model.message(nbytes, self.nprocs)
+
+    def exchange(self, s: Estimate, pairs: Sequence[tuple[int, int]], *, combine: Combine,
+                 keep: bool = True) -> Estimate:
+        out = Estimate(s.size, exchange_capacity(s.capacity, s.size, combine, self.delta), s.fan_in,
+                       entries=s.entries)
         for r in range(self.nprocs):
             to, frm = peers_of(pairs, r)
             if to >= 0 or (frm >= 0 and combine == "add"):  # the stream is used: its padding stays
@@ -239,16 +318,20 @@ class Pricing:
         dest, source = peers_of(pairs, 0)
         if dest < 0 and source < 0:
             return out
-        self._seconds += self.model.message(self.wire(s), self.nprocs)
+        self._seconds += self._send(self.wire(s), dest >= 0)
+        handed_over = not keep and dest >= 0  # rank 0 is left with what it receives, or nothing
+        if handed_over:
+            return dataclasses.replace(out, entries=self.count(s) if source >= 0 else 0.0)
         if source >= 0 and combine == "add":
-            out = dataclasses.replace(out, fan_in=min(2 * s.fan_in, self.nprocs))
+            entries = _union(self.count(s), self.count(s), s.size) if s.entries >= 0 else -1.0
+            out = dataclasses.replace(out, fan_in=min(2 * s.fan_in, self.nprocs), entries=entries)
             self._seconds += self._merge(s, s, out)
         return out
 
     def ring_pass(self, segments: list[Estimate], *, send: int, into: int, combine: Combine) -> list[Estimate]:
         p = self.nprocs
         sent, target = segments[send % p], segments[into % p]
-        self._seconds += self.model.message(self.wire(sent), p)
+        self._seconds += self._send(self.wire(sent))
         self._stage_everywhere(self._exchange_staging(sent, True, True))
         if combine == "add":
             out = dataclasses.replace(target, fan_in=min(target.fan_in + sent.fan_in, p))
@@ -261,9 +344,11 @@ class Pricing:
         m, p, n = self.model, self.nprocs, s.size
         length = longest_part(n, p)
         if self.static:  # every segment travels at its whole slot
-            sends = (p - 1) * m.message(8.0 + 8.0 * segment_slot(s.capacity, n, p), p)
+            sends = (p - 1) * self._send(8.0 + 8.0 * segment_slot(s.capacity, n, p))
         else:  # range r of the stream to rank r
-            sends = (p - 1) * m.message(self.wire(s) / p, p)
+            sends = (p - 1) * self._send(self.wire(s) / p)
+        self.messages += p - 2
+        self._sent += (p - 2) * (8.0 + 8.0 * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p)
         self._stage_everywhere(self._scatter_staging(s))
         if dense and not self.static:
             # The segments are added into a zero-filled slice; every pair of the stream is packed
@@ -279,28 +364,48 @@ class Pricing:
     def allgather(self, part: Estimate, *, dense: bool = False, quantize: Quantize | None = None) -> Estimate:
         m, p, n = self.model, self.nprocs, self.n
         rounds = math.log2(p) * m.latency(p)
+        self.messages += math.ceil(math.log2(p))
         if dense or quantize is not None:
             # The dense allgather moves half the bytes of a dense allreduce.
             value_bytes = 4.0 if quantize is None else quantize.bits / 8.0
             out = Estimate(n, n, p, dense_values=True)
             self._seconds += rounds + n * value_bytes * m.dense_beta / 2
+            self._sent += (p - 1) * longest_part(n, p) * value_bytes
             if quantize is not None:  # QSGD codes and decodes every element
                 self._seconds += 4 * n * m.element_cost + self._result_buffers(out)
             if self.static:  # the part densified, the gathered slices padded, concatenated and cut back
                 self._stage_everywhere(2 * n + longest_part(n, p) * (1 + 2 * (n % p != 0)))
                 self._seconds += 0.0 if quantize is not None else self._result_buffers(out)
             return out
+        if part.source_capacity < 0:
+            return self._allgather_selected(part)
         whole = Estimate(n, gathered_capacity(part.source_capacity, n, p, self.delta), p,
                          source_capacity=part.source_capacity)
         if self.static:  # every part at the largest part's slot; P parts packed, gathered, re-based
             slot = largest_part_capacity(part.source_capacity, n, p, self.delta)
             self._seconds += rounds + (p - 1) * 8.0 * slot * m.beta
+            self._sent += (p - 1) * (8.0 + 8.0 * slot)
             # The parts packed, gathered and re-based; the merged result cut to its capacity when
             # the union bound is below the parts' slots.
             merged = min(p * slot, n) if p * slot < dense_threshold(n, self.delta) else n
             self._stage_everywhere(4 * slot + 6 * p * slot + (2 * whole.capacity if whole.capacity < merged else 0))
         else:
             self._seconds += rounds + (p - 1) * self.wire(whole) / p * m.beta
+            self._sent += (p - 1) * self.wire(whole) / p
+        self._seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
+        return whole
+
+    def _allgather_selected(self, part: Estimate) -> Estimate:
+        """Every rank's selected part, as its pairs (never a dense slice): the result holds the
+        P selections, about k entries, whatever P is."""
+        m, p, n = self.model, self.nprocs, self.n
+        slot, capacity = allgather_capacities(-1, part.capacity, n, p, self.delta)
+        whole = Estimate(n, capacity, p, entries=p * self.count(part))
+        nbytes = 8.0 + 8.0 * slot if self.static else 8.0 * self.count(part)
+        self._seconds += math.log2(p) * m.latency(p) + (p - 1) * nbytes * m.beta
+        self._sent += (p - 1) * nbytes
+        if self.static:  # packed, gathered, re-based and merged in XLA
+            self._stage_everywhere(4 * slot + 6 * p * slot)
         self._seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
         return whole
 
@@ -311,6 +416,7 @@ class Pricing:
         # XLA buffer first (measured at P = 4, N = 2^22, 10 %: 24.3 ms against 17.4 ms for the
         # allreduce of a ready dense vector).
         self._seconds += m.dense_alpha + 4.0 * s.size * m.dense_beta + self._result_buffers(out)
+        self._sent += 2 * (self.nprocs - 1) / self.nprocs * 4.0 * s.size
         if self.static:
             self._seconds += 2 * s.size * m.element_cost
         return out
@@ -319,6 +425,8 @@ class Pricing:
         m, p = self.model, self.nprocs
         out = Estimate(s.size, grown_capacity(s.capacity, s.size, p, self.delta), p)
         self._seconds += math.log2(p) * m.latency(p) + (p - 1) * self.wire(s) * m.beta
+        self._sent += (p - 1) * self.wire(s)
+        self.messages += math.ceil(math.log2(p))
         self._seconds += p * self.count(s) * m.pair_cost + self._result_buffers(out)
         return out
 
@@ -326,16 +434,93 @@ class Pricing:
         p = self.nprocs
         length = longest_part(s.size, p)
         self._stage_everywhere(self._scatter_staging(s))
-        self._seconds += self.count(s) * self.model.element_cost  # the indices re-based
+        if not (self._known_dense(s) and not self.static):  # a dense vector's segments are views of it
+            self._seconds += self.count(s) * self.model.element_cost  # the indices re-based
         capacities = segment_capacities(s.capacity, s.size, p, fan_in, self.delta)
-        return [Estimate(length, max(capacities), s.fan_in) for _ in range(p)]
+        entries = -1.0 if s.entries < 0 else self.count(s) * length / max(s.size, 1)
+        return [Estimate(length, max(capacities), s.fan_in, entries=entries) for _ in range(p)]
 
     def concat(self, segments: list[Estimate]) -> Estimate:
         n = self.n
+        known = all(seg.entries >= 0 for seg in segments)
         out = Estimate(n, grown_capacity(sum(seg.capacity for seg in segments), n, 1, self.delta),
-                       max(seg.fan_in for seg in segments))
+                       max(seg.fan_in for seg in segments),
+                       entries=sum(self.count(seg) for seg in segments) if known else -1.0)
         self._seconds += self._assembly(sum(self.count(seg) for seg in segments)) + self._result_buffers(out)
         return out
+
+    # --------------------------------------------------------------------------- global top-k
+
+    def _known_dense(self, e: Estimate) -> bool:
+        """A stream known to be a dense vector (a global top-k's accumulator and its blocks)."""
+        return e.entries >= 0 and self.is_dense(e)
+
+    def select(self, s: Estimate, k: int) -> tuple[Estimate, Estimate]:
+        """The radix selection reads every entry; the kept pairs are written, and the rest is
+        copied (a dense vector with the kept entries zeroed, or the other pairs). On mpi4jax the
+        rest is packed by scatters over the whole capacity."""
+        m = self.model
+        entries = self.count(s)
+        take = min(float(k), entries)
+        kept = Estimate(s.size, selected_capacity(k, s.capacity, s.size), s.fan_in, entries=take)
+        dense = self.is_dense(s)
+        rest = dataclasses.replace(s, entries=s.size if dense else entries - take)
+        rest_copy = 2 * s.size if dense else 4 * (entries - take)
+        self._seconds += entries * m.select_cost + (2 * take + rest_copy) * m.element_cost
+        if self.static:
+            self._stage_everywhere(6 * s.capacity)
+        return kept, rest
+
+    def add(self, a: Estimate, b: Estimate) -> Estimate:
+        """``a + b`` on this rank. Into a dense vector: a copy of it, and the other's pairs added
+        at random places (priced like merged pairs); two pair streams: a merge."""
+        m, n = self.model, a.size
+        if self.is_dense(a) or self.is_dense(b):
+            other = b if self.is_dense(a) else a
+            if self.is_dense(other):
+                self._seconds += 3 * n * m.element_cost
+            else:
+                self._seconds += 2 * n * m.element_cost + self.count(other) * m.pair_cost
+            return dataclasses.replace(a, fan_in=min(a.fan_in + b.fan_in, self.nprocs), entries=float(n))
+        entries = min(_union(self.count(a), self.count(b), n), a.capacity)
+        out = dataclasses.replace(a, fan_in=min(a.fan_in + b.fan_in, self.nprocs), entries=entries)
+        self._seconds += (self.count(a) + self.count(b)) * m.pair_cost
+        if self.is_dense(out):
+            self._seconds += 2 * n * m.element_cost
+        return out
+
+    def pass_blocks(self, blocks: list[Estimate], *, distance: int, count: int,
+                    budgets: Sequence[int]) -> list[Estimate]:
+        """A Spar-Reduce-Scatter round on rank 0: ``count`` blocks selected and sent, one message
+        each, and as many received and added into its own blocks (priced like those sent)."""
+        out = list(blocks)
+        _, _, moves = block_pass(0, len(blocks), distance, count)
+        for send, into in moves:
+            kept, out[send] = self.select(out[send], budgets[send])
+            self._seconds += self._send(self.wire(kept))
+            out[into] = self.add(out[into], kept)
+        return out
+
+    def select_owned(self, blocks: list[Estimate], budgets: Sequence[int]) -> tuple[Estimate, list[Estimate]]:
+        out = list(blocks)
+        slot = owned_slot(budgets, [(b.capacity, b.size) for b in blocks])
+        kept, out[0] = self.select(blocks[0], budgets[0])
+        return dataclasses.replace(kept, capacity=slot, source_capacity=-1), out
+
+    def residual(self, x: Estimate, held: Estimate, total: Estimate) -> Estimate:
+        """The input copied into a fresh vector, the held values densified unless dense, and
+        the result's entries looked up (two random reads each). mpi4jax densifies all three."""
+        m, n = self.model, x.size
+        passes = 2 * n + (0 if self.is_dense(held) else 2 * n)
+        self._seconds += passes * m.element_cost + self.count(total) * m.pair_cost
+        if self.static:
+            self._stage_everywhere(6 * n)
+        return Estimate(n, n, self.nprocs, entries=float(n))
+
+
+def _union(a: float, b: float, size: int) -> float:
+    """Expected entries of the sum of streams of ``a`` and ``b`` entries on independent uniform supports."""
+    return a + b - a * b / max(size, 1)
 
 
 def staged_elements(algorithm: str, *, size: int, nprocs: int, capacity: int, delta: float = 1.0) -> float:
