@@ -1,0 +1,78 @@
+"""allreduce_gradients with a global top-k algorithm on several ranks: every rank holds identical
+parameters after every step, and the books balance across ranks (the update is the sum of what
+the ranks took from gradient plus residual, exactly, on integer data)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sparcml_jax
+from _util import COMM, RANK, run_and_agree
+
+tree_get = optax.tree_utils.tree_get
+
+
+def _params():
+    return {"w": jnp.zeros((30, 40)), "b": jnp.zeros(40), "v": jnp.zeros(3000)}
+
+
+def _grads(step: int):
+    rng = np.random.default_rng([step, RANK, 17])
+    return jax.tree.map(lambda p: jnp.asarray(rng.integers(-4, 5, p.shape).astype(np.float32)), _params())
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
+
+
+def test_identical_parameters_after_every_step():
+    def check():
+        failures = []
+        for options in (dict(algorithm="spardl", density=0.02, min_size=100),
+                        dict(algorithm="gtopk", k=60, fuse=False, warmup_steps=1, transport="mpi4jax")):
+            tx = optax.chain(sparcml_jax.allreduce_gradients(**options), optax.adam(1e-2))
+            params, state = _params(), tx.init(_params())
+
+            @jax.jit
+            def step(p, s, g):
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+            for t in range(4):
+                params, state = step(params, state, _grads(t))
+                mine = _flat(params)
+                if not np.array_equal(mine, COMM.bcast(mine, root=0)):
+                    failures.append(f"{options} step {t}: parameters differ from rank 0's")
+        return failures
+
+    run_and_agree(check, "identical parameters")
+
+
+@pytest.mark.parametrize("algorithm,average", [("spardl", False), ("gtopk", True)])
+def test_books_balance_across_ranks(algorithm, average):
+    """Every step the update is the sum over ranks of (gradient + old residual - new residual),
+    divided by P when averaged: what the ranks hold back and what is applied add up to every
+    gradient. The result keeps at most k + P entries."""
+
+    def check():
+        failures = []
+        tx = sparcml_jax.allreduce_gradients(density=0.03, algorithm=algorithm, min_size=100, average=average)
+        state, update = tx.init(_params()), jax.jit(tx.update)
+        for t in range(6):
+            grads = _grads(100 + t)
+            out, new_state = update(grads, state)
+            taken = _flat(grads) + _flat(tree_get(state, "residual")) - _flat(tree_get(new_state, "residual"))
+            want = np.sum(COMM.allgather(taken), axis=0, dtype=np.float32)
+            # The sum is exact; XLA divides by P as a multiplication by 1 / P (within an ulp).
+            if not (np.allclose(_flat(out), want / COMM.size, rtol=2e-7, atol=0) if average
+                    else np.array_equal(_flat(out), want)):
+                failures.append(f"step {t}: the update is not what the ranks took")
+            nnz = float(tree_get(new_state, "stats").density) * 4200  # fused: 30*40 + 3000 entries
+            if not 0 < nnz <= np.ceil(0.03 * 4200) + COMM.size:
+                failures.append(f"step {t}: result of {nnz} entries, above k + P")
+            state = new_state
+        return failures
+
+    run_and_agree(check, f"books ({algorithm})")
