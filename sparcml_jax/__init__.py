@@ -14,7 +14,7 @@ from sparcml_jax.collectives import (
     sparse_allreduce,
 )
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
-from sparcml_jax.collectives.global_topk import GlobalTopkStats, global_topk_allreduce
+from sparcml_jax.collectives.global_topk import GlobalTopkStats, OktopkState, global_topk_allreduce, init_oktopk_state
 from sparcml_jax.collectives.nonblocking import (
     OVERLAP_COMPILER_OPTIONS,
     AllreduceHandle,
@@ -83,6 +83,7 @@ __all__ = [
     "LeafGroups",
     "LeafPlan",
     "OVERLAP_COMPILER_OPTIONS",
+    "OktopkState",
     "QuantizedVector",
     "ReduceState",
     "SparseStream",
@@ -103,6 +104,7 @@ __all__ = [
     "gather_reference",
     "global_topk_allreduce",
     "global_topk_reduce",
+    "init_oktopk_state",
     "lazy",
     "merge",
     "merge_capacity",

@@ -1,4 +1,4 @@
-"""The global top-k definitions (SparDL, gTop-k), run for P = 1..8 ranks at once on the
+"""The global top-k definitions (SparDL, gTop-k, Ok-Topk), run for P = 1..8 ranks at once on the
 simulated transport, against the plain numpy references of tests/global_topk_reference.py:
 the same result and residuals bit for bit, the exact books (result + residuals == inputs), the
 bound on the result's entries and the wire volumes. The MPI transports run the same
@@ -10,10 +10,11 @@ import math
 
 import numpy as np
 import pytest
-from global_topk_reference import gtopk_reference, spardl_reference
+from global_topk_reference import gtopk_reference, oktopk_reference, spardl_reference
 
 from sparcml_jax import partition_bounds
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS, definition
+from sparcml_jax.collectives.oktopk import oktopk
 from sparcml_jax.comm.simulated import SimStream, Simulated
 from sparcml_jax.stream import dense_threshold
 
@@ -95,3 +96,44 @@ def test_gtopk_keeps_what_the_published_tree_loses():
     np.testing.assert_array_equal(residual[0].to_dense(), [0, 4, 0, 6])
     for r in (1, 2, 3):
         np.testing.assert_array_equal(residual[r].to_dense(), [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_oktopk_is_its_reference_for_any_thresholds_and_regions(p):
+    """Ok-Topk's definition for thresholds and region starts drawn at random (the estimates
+    that a state may carry, good or bad): the reference's result and residuals bit for bit,
+    exact books, and the bound: k entries after a re-evaluation, P ceil(2k / P) otherwise."""
+    for n in (1, 5, 64, 1001):
+        for kind in ("random", "sparse", "zero", "ties"):
+            xs = accumulators(p, n, kind, seed=3 * n + p)
+            for k in sorted({0, 1, max(1, n // 100), n // 10, n}):
+                rng = np.random.default_rng([k, n, p])
+                starts = np.sort(rng.integers(0, n + 1, p - 1))
+                for exact in (True, False):
+                    local = [float(rng.integers(0, 15)) for _ in range(p)]
+                    global_threshold = float(rng.integers(0, 40))
+                    label = f"P={p} N={n} {kind} k={k} exact={exact}"
+                    t = Simulated(p, n)
+                    total, residual = oktopk(t, [SimStream(n, n, None, x.copy()) for x in xs], k=k,
+                                             local_threshold=local, global_threshold=global_threshold, starts=starts,
+                                             exact=exact)
+                    want_total, want_support, want_residuals = oktopk_reference(xs, k, local, global_threshold,
+                                                                                starts, exact)
+                    for r in range(p):
+                        np.testing.assert_array_equal(total[r].to_dense(), want_total, err_msg=f"{label} rank {r}")
+                        np.testing.assert_array_equal(residual[r].to_dense(), want_residuals[r], err_msg=label)
+                    books = want_total + np.sum(want_residuals, axis=0, dtype=np.float32)
+                    np.testing.assert_array_equal(books, np.sum(xs, axis=0, dtype=np.float32), err_msg=label)
+                    assert len(want_support) <= min(n, k if exact else p * -(-2 * k // p)), label
+
+
+def test_oktopk_hands_every_region_to_its_owner_once():
+    """P = 4, one selected entry per rank in every region: each rank sends the P - 1 regions it
+    does not own, one pair each (8 bytes), and the owners keep all of them."""
+    p, n = 4, 16
+    xs = [np.where(np.arange(n) % 4 == r, 1.0, 0.0).astype(np.float32) * (r + 1) for r in range(p)]
+    t = Simulated(p, n)
+    total, _ = oktopk(t, [SimStream(n, n, None, x) for x in xs], k=n, local_threshold=[0.5] * p,
+                      global_threshold=0.5, starts=[4, 8, 12], exact=False)
+    assert t.sent == [8.0 * 3 + 8.0 * 4 * 3] * p  # the reduce-scatter, then its 4 pairs to 3 ranks
+    np.testing.assert_array_equal(total[0].to_dense(), np.sum(xs, axis=0))

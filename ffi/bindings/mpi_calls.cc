@@ -38,7 +38,7 @@ constexpr int kTagSpan = 30000;  // tags 1..kTagSpan: one per call, in turn (MPI
 ProgramArgs MakeArgs(MPI_Comm channel, int64_t seq, bool background, int64_t n, double delta,
                      ffi::Span<const int64_t> program, int64_t result, int64_t algorithm,
                      ffi::Span<const int64_t> signature, int64_t hash, std::string_view fields, int64_t rejected,
-                     const uint32_t* key) {
+                     ffi::Buffer<ffi::U32> key) {
   ProgramArgs a;
   a.channel = channel;
   a.tag = 1 + static_cast<int>(seq % kTagSpan);
@@ -51,8 +51,11 @@ ProgramArgs MakeArgs(MPI_Comm channel, int64_t seq, bool background, int64_t n, 
   a.algorithm = static_cast<int32_t>(algorithm);
   a.n = n;
   a.delta = delta;
-  a.key[0] = key[0];
-  a.key[1] = key[1];
+  // The key buffer holds QSGD's two key words, then the program's run-time operands (thresholds, bounds).
+  const uint32_t* words = key.typed_data();
+  a.key[0] = words[0];
+  a.key[1] = words[1];
+  a.operands.assign(words + 2, words + key.element_count());
   if (rejected) a.rejected = "rejected";
   return a;
 }
@@ -93,7 +96,7 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
                    std::string_view fields, int64_t rejected, int64_t residual) {
   sparcml::Channels& channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
   ProgramArgs args = MakeArgs(channels.blocking, channels.blocking_calls++, false, n, delta, program, result, algorithm,
-                              signature, hash, fields, rejected, key.typed_data());
+                              signature, hash, fields, rejected, key);
   args.residual_register = residual;
   int rank = RankOf(channels.blocking);
   std::string input_error;
@@ -217,7 +220,7 @@ ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::
   sparcml::Channels& channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
   auto job = std::make_unique<Job>();
   job->args = MakeArgs(channels.engine, channels.engine_calls++, true, n, delta, program, result, algorithm, signature,
-                       hash, fields, rejected, key.typed_data());
+                       hash, fields, rejected, key);
   int64_t count = nnz.typed_data()[0], capacity = static_cast<int64_t>(idx.element_count());
   job->input = InputStream(idx.typed_data(), val.typed_data(), count, capacity, n, RankOf(channels.engine),
                            &job->input_error);

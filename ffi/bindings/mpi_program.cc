@@ -1,6 +1,7 @@
 #include "mpi_program.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -84,14 +85,20 @@ class Interpreter {
         break;
       }
       case kAllgather:
-        if (w[4] == kPairs || w[4] == kSelectedPairs) {
-          AllgatherPairs(dst, cap, w[3], w[4] == kSelectedPairs);
+        if (w[4] == kPairs || w[4] == kSelectedPairs || w[4] == kRegionPairs) {
+          AllgatherPairs(dst, cap, w[3], w[4] != kPairs, w[4] == kRegionPairs);
         } else {
           AllgatherDense(dst, w[3], w[4] == kQuantized ? static_cast<int>(w[5]) : 0, w[6], static_cast<int>(w[7]));
         }
         break;
       case kAllreduce: Allreduce(dst, w[3]); break;
-      case kSplit: Split(dst, Reg(w[3]), cap); break;
+      case kSplit:
+        if (w[4] > 0) {
+          SplitRegions(dst, Reg(w[3]), cap, w[4] - 1);
+        } else {
+          Split(dst, Reg(w[3]), cap);
+        }
+        break;
       case kConcat: Concat(dst, cap, w[3]); break;
       case kGather: Gather(dst, cap, w[3]); break;
       case kAgree: call_.Agree(Reg(w[3]).nnz); break;
@@ -101,8 +108,8 @@ class Interpreter {
         Reg(dst) = s;
         break;
       }
-      case kFree: Reg(w[3]) = Stream{}; break;
-      case kSelect: Select(dst, cap, w[3], w[4]); break;
+      case kFree: Reg(w[3]) = Empty(Reg(w[3]).n, 0); break;
+      case kSelect: Select(dst, cap, w[3], w[4], w[5]); break;
       case kAddLocal: {
         Stream a = Reg(w[3]), b = Reg(w[4]);
         Reg(dst) = Add(a, b, cap, dst);
@@ -156,8 +163,9 @@ class Interpreter {
     call_.Fail(kBadInput, call_.rank());
   }
 
-  // a + b, dense once the count reaches the threshold and `cap` can hold n (SparCML's switch).
-  Stream Add(const Stream& a, const Stream& b, int64_t cap, int64_t reg) {
+  // a + b, dense once the count reaches the threshold and `cap` can hold n (SparCML's switch),
+  // unless `may_densify` is false.
+  Stream Add(const Stream& a, const Stream& b, int64_t cap, int64_t reg, bool may_densify = true) {
     int64_t n = a.n;
     if (call_.failed()) return Empty(n, cap);
     Stream out;
@@ -179,10 +187,10 @@ class Interpreter {
       const Stream& only = a.nnz == 0 ? b : a;
       out = only;
       out.capacity = cap;
-      return Densified(out, reg);
+      return may_densify ? Densified(out, reg) : out;
     }
     int64_t bound = a.nnz + b.nnz, threshold = DenseThreshold(n, args_.delta);
-    bool may_dense = cap >= n && bound >= threshold;
+    bool may_dense = may_densify && cap >= n && bound >= threshold;
     int64_t room = may_dense ? n : std::min(bound, cap);
     Writable w = Allocate(out, reg, n, room, false);
     char err[SPARCML_ERRLEN] = {0};
@@ -291,8 +299,8 @@ class Interpreter {
   // --- the operations (comm/native.py documents each).
 
   void Exchange(int64_t dst, int64_t cap, int64_t send, int64_t into, int dest, int source, int64_t combine) {
-    bool hand_over = combine & kHandOver;
-    combine &= ~kHandOver;
+    bool hand_over = combine & kHandOver, pairs_only = combine & kPairsOnly;
+    combine &= ~(kHandOver | kPairsOnly);
     Stream kept = hand_over && dest >= 0 ? Empty(Reg(into).n, cap) : Reg(into);
     if (dest >= 0) {
       const Stream& s = Reg(send);
@@ -306,7 +314,7 @@ class Interpreter {
         out = Received(source, m, kept.n, cap, dst);
       } else {
         Stream got = Received(source, m, kept.n, m.h.count, -1);
-        out = Add(kept, got, cap, dst);
+        out = Add(kept, got, cap, dst, !pairs_only);
       }
     }
     call_.WaitSends();
@@ -375,7 +383,8 @@ class Interpreter {
     if (c) std::memcpy(w.val + offset, part.val, c * sizeof(float));
   }
 
-  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src, bool as_pairs) {
+  // Parts of run-time regions (`regions`) already carry indices over the whole vector.
+  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src, bool as_pairs, bool regions) {
     const Stream part = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = args_.n;
@@ -399,7 +408,7 @@ class Interpreter {
       if (to_dense) std::memset(w.val, 0, n * sizeof(float));
       int64_t offset = 0;
       for (int r = 0; r < p; ++r) {
-        int64_t lo = PartStart(n, p, r), length = PartStart(n, p, r + 1) - lo;
+        int64_t lo = regions ? 0 : PartStart(n, p, r), length = regions ? n : PartStart(n, p, r + 1) - lo;
         Stream got = r == me ? AsStream(own, length, length) : Stream{};
         if (r != me) {
           const Call::Message& m = messages[r];
@@ -538,6 +547,46 @@ class Interpreter {
     }
   }
 
+  // Ok-Topk's regions: s cut at the run-time starts of regions 1..P-1 (operands first..), each
+  // segment keeping its indices over the whole vector (the regions' lengths are not static).
+  void SplitRegions(int64_t first, const Stream s, int64_t cap, int64_t operand) {
+    int p = call_.nprocs();
+    int64_t n = s.n, lo = 0;
+    for (int r = 0; r < p; ++r) {
+      int64_t hi = r == p - 1 ? n : std::clamp<int64_t>(Operand(operand + r), lo, n);
+      Stream seg = Empty(n, std::min(cap, n));
+      if (!call_.failed() && s.dense) {
+        Writable w = Allocate(seg, first + r, n, hi - lo, false);
+        for (int64_t i = lo; i < hi; ++i) w.idx[i - lo] = static_cast<int32_t>(i);
+        std::memcpy(w.val, s.val + lo, (hi - lo) * sizeof(float));
+        seg.nnz = hi - lo;
+      } else if (!call_.failed()) {
+        int64_t begin = std::lower_bound(s.idx, s.idx + s.nnz, lo) - s.idx;
+        int64_t end = std::lower_bound(s.idx, s.idx + s.nnz, hi) - s.idx;
+        seg.idx = s.idx + begin;
+        seg.val = s.val + begin;
+        seg.nnz = end - begin;
+        seg.storage = s.storage;
+      }
+      seg.capacity = std::min(cap, n);
+      Reg(first + r) = seg;
+      lo = hi;
+    }
+  }
+
+  int64_t Operand(int64_t i) const {
+    if (i < 0 || i >= static_cast<int64_t>(args_.operands.size()))
+      throw std::runtime_error("operand " + std::to_string(i) + " is missing");
+    return args_.operands[i];
+  }
+
+  float OperandFloat(int64_t i) const {
+    uint32_t bits = static_cast<uint32_t>(Operand(i));
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+
   void Concat(int64_t dst, int64_t cap, int64_t first) {
     int p = call_.nprocs();
     int64_t n = args_.n, total = 0;
@@ -581,16 +630,34 @@ class Interpreter {
 
   // The top `cap` entries of a register by magnitude (ties to the lower index), as pairs; the
   // rest stays in its representation: a dense register with those entries zeroed, or the pairs
-  // without them.
-  void Select(int64_t kept_reg, int64_t cap, int64_t src, int64_t rest_reg) {
+  // without them. With a threshold (operand `threshold` - 1) only the nonzero entries of at least
+  // its magnitude: all of them in one pass when no more than `cap` qualify (else the top `cap`,
+  // which then all qualify).
+  void Select(int64_t kept_reg, int64_t cap, int64_t src, int64_t rest_reg, int64_t threshold) {
     const Stream s = Reg(src);
     int64_t count = s.dense ? s.n : s.nnz, take = std::min(cap, count);
     Stream kept = Empty(s.n, cap), rest = Empty(s.n, s.capacity);
     if (!call_.failed()) {
+      bool scanned = false;
+      float least = threshold > 0 ? OperandFloat(threshold - 1) : 0.0f;
+      if (threshold > 0) {
+        int64_t above = 0;
+        for (int64_t i = 0; i < count; ++i) above += s.val[i] != 0.0f && std::fabs(s.val[i]) >= least;
+        scanned = above <= cap;
+        if (scanned) take = above;
+      }
       Scratch<int32_t> position(std::max<int64_t>(take, 1));
       Writable k = Allocate(kept, kept_reg, s.n, take, false);
       char err[SPARCML_ERRLEN] = {0};
-      if (sparcml_topk(s.val, count, take, position.data(), k.val, err)) {
+      if (scanned) {
+        for (int64_t i = 0, j = 0; i < count && j < take; ++i) {
+          if (s.val[i] != 0.0f && std::fabs(s.val[i]) >= least) {
+            position[j] = static_cast<int32_t>(i);
+            k.val[j++] = s.val[i];
+          }
+        }
+      }
+      if (!scanned && sparcml_topk(s.val, count, take, position.data(), k.val, err)) {
         Fail(err);
       } else {
         for (int64_t j = 0; j < take; ++j) k.idx[j] = s.dense ? position[j] : s.idx[position[j]];

@@ -20,22 +20,25 @@ enum Op : int64_t {
   kReduceScatter = 2,  // a: source register, b: dense slice result
   kAllgather = 3,      // a: part register, b: mode (0 pairs, 1 dense, 2 QSGD), c: bits, d: bucket, e: scale kind
   kAllreduce = 4,      // a: source register
-  kSplit = 5,          // dst: first of nprocs registers, a: source register
+  kSplit = 5,          // dst: first of nprocs registers, a: source register, b: 1 + operand of run-time region starts
   kConcat = 6,         // a: first of nprocs registers
   kGather = 7,         // a: source register (every rank's whole stream, summed)
   kAgree = 8,          // every rank learns every rank's flags and counts
   kChoose = 9,         // a: choices; then one row {bound, algorithm, instructions} per choice, then the branches
   kMove = 10,          // a: source register (a new name, a new capacity, the same data)
-  kFree = 11,          // a: register
-  kSelect = 12,        // dst: the top `capacity` entries (pairs), a: source register, b: register of the rest
+  kFree = 11,          // a: register (left empty)
+  kSelect = 12,        // dst: the top `capacity` entries (pairs), a: source register, b: register of the rest,
+                       // c: 1 + operand of a run-time threshold (then only entries of at least its magnitude)
   kAddLocal = 13,      // a + b on this rank: a: register, b: register
   kResidual = 14,      // a: input, b: held, c: result; dense: b where c is nonzero, a elsewhere
 };
 constexpr int kWords = 8;
-// kExchange's combine; with kHandOver a rank that sends is left with what it receives, or nothing.
-enum Combine : int64_t { kAdd = 1, kReplace = 2, kHandOver = 4 };
-// kSelectedPairs: parts travel as their pairs (a global top-k's selections), never as dense slices.
-enum GatherMode : int64_t { kPairs = 0, kDenseSlices = 1, kQuantized = 2, kSelectedPairs = 3 };
+// kExchange's combine; with kHandOver a rank that sends is left with what it receives, or nothing;
+// with kPairsOnly the sum stays pairs (an Ok-Topk region: its entries lie in a sub-range).
+enum Combine : int64_t { kAdd = 1, kReplace = 2, kHandOver = 4, kPairsOnly = 8 };
+// kSelectedPairs: parts travel as their pairs (a global top-k's selections), never as dense slices;
+// kRegionPairs: so do parts of run-time regions, whose indices are already over the whole vector.
+enum GatherMode : int64_t { kPairs = 0, kDenseSlices = 1, kQuantized = 2, kSelectedPairs = 3, kRegionPairs = 4 };
 
 // A stream register: sorted pairs over [0, n), or a dense array of n values (no indices).
 struct Stream {
@@ -75,6 +78,7 @@ struct ProgramArgs {
   int64_t n = 0;
   double delta = 1.0;
   uint32_t key[2] = {0, 0};  // QSGD's key words (this rank's)
+  std::vector<uint32_t> operands;  // run-time operands: thresholds (float bits), region starts
   std::string rejected;      // this rank rejected its arguments (the rank's Python error follows)
 };
 

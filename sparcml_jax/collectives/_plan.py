@@ -13,7 +13,7 @@ from mpi4py import MPI
 # that name; its index here is its code in AllreduceStats.algorithm.
 ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
 # The global top-k allreduces (their result keeps about k entries, the rest goes to residuals).
-GLOBAL_TOPK_ALGORITHMS = ("spardl", "gtopk")
+GLOBAL_TOPK_ALGORITHMS = ("spardl", "gtopk", "oktopk")
 QUANTIZE_BITS = (2, 4, 8)
 QUANTIZE_SCALES = ("max", "l2")
 

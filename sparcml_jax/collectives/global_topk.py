@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
@@ -21,7 +22,42 @@ from sparcml_jax.collectives.validate import call_and_recover, reject_everywhere
 from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
 from sparcml_jax.kernels._common import check_vector
-from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold
+from sparcml_jax.kernels.partition import partition_bounds
+from sparcml_jax.kernels.topk import topk
+from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold, resize
+
+
+class OktopkState(NamedTuple):
+    """Ok-Topk's estimates, carried from step to step (keep them in the optimizer state).
+
+    Attributes:
+      step: int32 calls made so far; thresholds are re-evaluated exactly when ``step % tau == 0``
+        and the regions re-balanced when ``step % tau_prime == 0``.
+      local_threshold: float32 this rank's threshold for its own selection.
+      global_threshold: float32 the owners' threshold on the reduced regions (the same on every rank).
+      starts: int32[P - 1] first index of regions 1..P-1 (the same on every rank).
+    """
+
+    step: jax.Array
+    local_threshold: jax.Array
+    global_threshold: jax.Array
+    starts: jax.Array
+
+
+def init_oktopk_state(comm: MPI.Comm | None = None) -> OktopkState:
+    """The state of a first step: every estimate is computed afresh on it.
+
+    Example:
+      >>> from sparcml_jax import init_oktopk_state
+      >>> int(init_oktopk_state().step)
+      0
+    """
+    nprocs = resolve_comm(comm).Get_size()
+    return OktopkState(jnp.int32(0), jnp.float32(0), jnp.float32(0), jnp.zeros((nprocs - 1,), jnp.int32))
+
+
+# Ok-Topk's public code: thresholds move by these factors when a step selected outside [0.8 k, 1.25 k].
+_LOCAL_SCALE, _GLOBAL_RAISE, _GLOBAL_LOWER = 1.025, 1.025, 1.036
 
 
 class GlobalTopkStats(NamedTuple):
@@ -48,6 +84,9 @@ def global_topk_allreduce(
     comm: MPI.Comm | None = None,
     transport: str = "native",
     delta: float = 1.0,
+    oktopk_state: OktopkState | None = None,
+    tau: int = 128,
+    tau_prime: int = 64,
     return_stats: bool = False,
 ):
     r"""About the ``k`` largest entries of the sum of every rank's ``x``, and this rank's residual.
@@ -68,6 +107,13 @@ def global_topk_allreduce(
     - ``"gtopk"`` (gTop-k): a binomial tree of merges that keeps the top k of each, then a
       broadcast; every value dropped at a merge stays in the residual of the rank that dropped
       it (the published algorithm loses it at P >= 4). At most k entries.
+    - ``"oktopk"`` (Ok-Topk, PPoPP'22 §3): a local threshold selection, a sparse reduce-scatter
+      over regions balanced by the selected indices, a global threshold on the reduced regions
+      and an allgather. Its estimates live in ``oktopk_state``: the thresholds are computed
+      exactly (k-th largest magnitude) every ``tau`` steps and moved by Ok-Topk's factors in
+      between; the regions are re-balanced every ``tau_prime`` steps from the selected indices
+      of every rank (a small integer allreduce). At most k entries on a step that re-evaluates
+      (every call without a state), at most P ceil(2k / P) <= 2k + P otherwise.
 
     Args:
       x: this rank's float32[size] accumulator; every rank passes the same size.
@@ -76,16 +122,21 @@ def global_topk_allreduce(
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       transport: ``"native"`` (only valid entries travel) or ``"mpi4jax"`` (static buffers).
       delta: SparCML's dense switch for the result (dense once ``8 nnz >= delta 4 size``).
+      oktopk_state: Ok-Topk's :class:`OktopkState` (from :func:`init_oktopk_state`, then from
+        the previous call); with it the call also returns the next state.
+      tau, tau_prime: Ok-Topk's intervals (static ints >= 1) of exact thresholds and of balanced
+        regions (its public code's defaults).
       return_stats: also return :class:`GlobalTopkStats`.
 
     Returns:
-      ``(total, residual)``, or ``(total, residual, stats)``.
+      ``(total, residual)``, with ``oktopk_state`` ``(total, residual, next_state)``, and
+      :class:`GlobalTopkStats` last with ``return_stats``.
 
     Example (under ``mpirun -n P``):
       >>> import jax.numpy as jnp
       >>> import numpy as np
       >>> from mpi4py import MPI
-      >>> from sparcml_jax import global_topk_allreduce
+      >>> from sparcml_jax import global_topk_allreduce, init_oktopk_state
       >>> P = MPI.COMM_WORLD.size
       >>> total, residual = global_topk_allreduce(jnp.arange(8.0), 2, algorithm="gtopk")
       >>> total.indices.tolist(), total.values.tolist() == [6.0 * P, 7.0 * P]
@@ -93,14 +144,25 @@ def global_topk_allreduce(
       >>> residuals = MPI.COMM_WORLD.allreduce(np.asarray(residual), op=MPI.SUM)
       >>> bool(np.all(total.to_dense() + residuals == P * np.arange(8.0)))
       True
+      >>> state = init_oktopk_state()
+      >>> total, residual, state = global_topk_allreduce(jnp.arange(8.0), 2, algorithm="oktopk", oktopk_state=state)
+      >>> total.indices[: int(total.nnz)].tolist(), int(state.step)
+      ([6, 7], 1)
     """
     comm = resolve_comm(comm)
     try:
         plan, size, k = _check(comm, x, k, algorithm, transport, delta)
+        _check_oktopk(comm, algorithm, oktopk_state, tau, tau_prime)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
-    total, residual, stats = call_and_recover(_compiled(plan, algorithm, size, k), x)
-    return (total, residual, stats) if return_stats else (total, residual)
+    if algorithm != "oktopk":
+        total, residual, stats = call_and_recover(_compiled(plan, algorithm, size, k), x)
+        return (total, residual, stats) if return_stats else (total, residual)
+    state = init_oktopk_state(comm) if oktopk_state is None else oktopk_state
+    total, residual, state, stats = call_and_recover(_compiled_oktopk(plan, size, k, int(tau), int(tau_prime)), x,
+                                                     state)
+    out = (total, residual) + ((state,) if oktopk_state is not None else ())
+    return out + (stats,) if return_stats else out
 
 
 def _check(comm: MPI.Comm, x, k, algorithm: str, transport: str, delta: float) -> tuple[Plan, int, int]:
@@ -121,6 +183,24 @@ def _check(comm: MPI.Comm, x, k, algorithm: str, transport: str, delta: float) -
     return Plan(comm, transport, float(delta)), size, int(k)
 
 
+def _check_oktopk(comm: MPI.Comm, algorithm: str, state, tau, tau_prime) -> None:
+    for name, value in (("tau", tau), ("tau_prime", tau_prime)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a static int >= 1 (steps between Ok-Topk's re-evaluations), got {value!r}")
+    if state is None:
+        return
+    if algorithm != "oktopk":
+        raise ValueError(f"oktopk_state is Ok-Topk's; algorithm={algorithm!r} keeps no state: drop it or pass "
+                         "algorithm='oktopk'")
+    if not isinstance(state, OktopkState):
+        raise TypeError(f"oktopk_state must be an OktopkState (from init_oktopk_state), got {type(state).__name__}")
+    want = init_oktopk_state(comm)
+    for name, got, like in zip(OktopkState._fields, state, want):
+        if jnp.shape(got) != like.shape or jnp.result_type(got) != like.dtype:
+            raise ValueError(f"oktopk_state.{name} must be {like.dtype}{list(like.shape)} for {comm.Get_size()} ranks, "
+                             f"got {jnp.result_type(got)}{list(jnp.shape(got))}; start from init_oktopk_state(comm)")
+
+
 @functools.lru_cache(maxsize=128)
 def _compiled(plan: Plan, algorithm: str, size: int, k: int):
     code = GLOBAL_TOPK_ALGORITHMS.index(algorithm)
@@ -129,23 +209,112 @@ def _compiled(plan: Plan, algorithm: str, size: int, k: int):
     def run(x: jax.Array):
         signature = native.Signature.of("global_topk", size=size, k=k, algorithm=code, transport=plan.transport,
                                         delta=plan.delta)
-        stream = dense_stream(x)
-        if plan.transport == "native":
-            program = _program(plan, algorithm, size, k)
-            total, residual, sent = native.run_global_topk(program, stream, comm=plan.comm, signature=signature,
-                                                           delta=plan.delta)
-        else:
-            agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
-            t = Mpi4jaxTransport(plan.comm, plan.delta, size, agreed)
-            total, held = definition(algorithm)(t, stream, k=k)
-            residual, sent = held.values, t.sent
+        total, residual, sent = _run(plan, algorithm, size, k, signature, dense_stream(x), {})
         stats = GlobalTopkStats(jnp.int32(code), sent, total.nnz, jnp.sum(jnp.abs(residual)))
         return total, residual, stats
 
     return run
 
 
+def _run(plan: Plan, algorithm: str, size: int, k: int, signature: native.Signature, stream: SparseStream,
+         operands: dict, exact: bool | None = None):
+    """The definition on this rank's dense ``stream``: (total, residual, bytes sent). Ok-Topk's
+    run-time ``operands`` (local_threshold, global_threshold, starts) are jax values."""
+    options = {} if exact is None else {"exact": exact}
+    if plan.transport == "native":
+        program = _program(plan, algorithm, size, k, exact)
+        words = None
+        if operands:
+            words = jnp.concatenate([jax.lax.bitcast_convert_type(jnp.stack([operands["local_threshold"],
+                                                                             operands["global_threshold"]]), jnp.uint32),
+                                     operands["starts"].astype(jnp.uint32)])
+        return native.run_global_topk(program, stream, comm=plan.comm, signature=signature, delta=plan.delta,
+                                      operands=words)
+    agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
+    t = Mpi4jaxTransport(plan.comm, plan.delta, size, agreed)
+    total, held = definition(algorithm)(t, stream, k=k, **operands, **options)
+    return total, held.values, t.sent
+
+
 @functools.lru_cache(maxsize=128)
-def _program(plan: Plan, algorithm: str, size: int, k: int) -> native.Program:
+def _program(plan: Plan, algorithm: str, size: int, k: int, exact: bool | None = None) -> native.Program:
+    options = {} if exact is None else dict(exact=exact, local_threshold=native.Operand(0),
+                                            global_threshold=native.Operand(1), starts=native.Operand(2))
     return native.record(definition(algorithm), rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta, size=size,
-                         capacity=size, code=GLOBAL_TOPK_ALGORITHMS.index(algorithm), k=k)
+                         capacity=size, code=GLOBAL_TOPK_ALGORITHMS.index(algorithm), k=k, **options)
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled_oktopk(plan: Plan, size: int, k: int, tau: int, tau_prime: int):
+    code, p = GLOBAL_TOPK_ALGORITHMS.index("oktopk"), plan.nprocs
+
+    @jax.jit
+    def run(x: jax.Array, state: OktopkState):
+        exact = state.step % tau == 0
+        local = jax.lax.cond(exact, lambda: _kth_magnitude(topk(x, k).values, k), lambda: state.local_threshold)
+        balance = native.Signature.of("global_topk", size=size, k=k, algorithm=code, transport=plan.transport,
+                                      delta=plan.delta, exact=None, balance=1)
+        starts = jax.lax.cond(state.step % tau_prime == 0, lambda: _balanced_starts(x, local, plan.comm, balance),
+                              lambda: state.starts)
+        operands = dict(local_threshold=local, global_threshold=state.global_threshold, starts=starts)
+
+        def branch(reevaluates: bool, capacity: int | None = None):
+            def go(x, operands):
+                signature = native.Signature.of("global_topk", size=size, k=k, algorithm=code,
+                                                transport=plan.transport, delta=plan.delta, exact=reevaluates,
+                                                balance=0)
+                total, residual, sent = _run(plan, "oktopk", size, k, signature, dense_stream(x), operands,
+                                             exact=reevaluates)
+                return (total if capacity is None else resize(total, capacity)), residual, sent
+            return go
+
+        # The two steps' results differ in capacity (k after a re-evaluation): both travel in the larger.
+        capacity = max(jax.eval_shape(branch(e), x, operands)[0].capacity for e in (True, False))
+        total, residual, sent = jax.lax.cond(exact, branch(True, capacity), branch(False, capacity), x, operands)
+        selected = jnp.sum((x != 0) & (jnp.abs(x) >= local), dtype=jnp.int32)
+        next_state = OktopkState(state.step + 1, _moved(local, selected, k, _LOCAL_SCALE, _LOCAL_SCALE),
+                                 jnp.where(exact, _kth_magnitude(total.values, total.nnz),
+                                           _moved(state.global_threshold, total.nnz, k, _GLOBAL_RAISE, _GLOBAL_LOWER)),
+                                 starts)
+        if p > 1:  # the balancing allreduce of 2 (P - 1) int32 on its steps
+            sent = sent + jnp.where(state.step % tau_prime == 0, 2 * (p - 1) / p * 8 * (p - 1), 0.0).astype(sent.dtype)
+        stats = GlobalTopkStats(jnp.int32(code), sent, total.nnz, jnp.sum(jnp.abs(residual)))
+        return total, residual, next_state, stats
+
+    return run
+
+
+def _kth_magnitude(values: jax.Array, count) -> jax.Array:
+    """The smallest magnitude among the first ``count`` of ``values`` (a top-k's): the k-th
+    largest; 0 (every nonzero qualifies) for none."""
+    valid = jnp.arange(values.shape[0]) < count
+    least = jnp.min(jnp.where(valid, jnp.abs(values), jnp.inf), initial=jnp.inf)
+    return jnp.where(jnp.any(valid), least, 0.0).astype(jnp.float32)
+
+
+def _moved(threshold: jax.Array, selected: jax.Array, k: int, raise_by: float, lower_by: float) -> jax.Array:
+    """Ok-Topk's correction: a threshold that selected fewer than 0.8 k entries goes down, one
+    that selected more than 1.25 k goes up."""
+    low, high = selected < 0.8 * k, selected > 1.25 * k
+    return jnp.where(low, threshold / lower_by, jnp.where(high, threshold * raise_by, threshold)).astype(jnp.float32)
+
+
+def _balanced_starts(x: jax.Array, threshold: jax.Array, comm: MPI.Comm, signature: native.Signature) -> jax.Array:
+    """Ok-Topk's region boundaries: every rank samples the positions of its selected indices at
+    ranks count i / P (i = 1..P-1) and the samples are averaged over ranks. The average is
+    exact in int32: ranks add their quotients and remainders by P. Ranks agree first, so that a
+    rank at another step (which skips this) fails every rank's call instead of hanging it."""
+    p, n = comm.Get_size(), x.shape[0]
+    if p == 1:
+        return jnp.zeros((0,), jnp.int32)
+    chosen = (x != 0) & (jnp.abs(x) >= threshold)
+    ranks = jnp.cumsum(chosen, dtype=jnp.int32)
+    count = ranks[-1] if n else jnp.int32(0)
+    i = jnp.arange(1, p, dtype=jnp.int32)
+    sampled = jnp.searchsorted(ranks, (count // p) * i + 1, side="left").astype(jnp.int32)
+    even = (jnp.asarray(partition_bounds(n, p)[1:-1], jnp.int32))
+    sample = jnp.where(count >= p, sampled, even)  # too few to sample: the even split
+    agreed = native.agree(dense_stream(sample.astype(jnp.float32)), comm=comm, signature=signature)
+    parts = jnp.where(agreed < 0, 0, jnp.concatenate([sample // p, sample % p]))  # (never: it orders them)
+    summed = mpi4jax.allreduce(parts, op=MPI.SUM, comm=comm)
+    return summed[: p - 1] + summed[p - 1:] // p

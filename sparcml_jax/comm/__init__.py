@@ -80,25 +80,35 @@ class Transport(Protocol[S]):
     def concat(self, segments: list[S]) -> S:
         """This rank's segments over the P ranges, joined into one stream."""
 
-    # The global top-k algorithms (SparDL, gTop-k) re-select inside the collective.
+    # The global top-k algorithms (SparDL, gTop-k, Ok-Topk) re-select inside the collective.
+    # Ok-Topk's thresholds and region starts are run-time values, in the transport's own form.
 
-    def select(self, s: S, k: int) -> tuple[S, S]:
+    def select(self, s: S, k: int, *, threshold: Any = None) -> tuple[S, S]:
         """(The ``min(k, entries)`` entries of ``s`` of largest magnitude as sorted pairs, ties to
-        the lower index as in :func:`sparcml_jax.topk`; the rest of ``s``, in its representation.)"""
+        the lower index as in :func:`sparcml_jax.topk`; the rest of ``s``, in its representation.)
+        With a ``threshold`` (this rank's), only the nonzero entries of at least its magnitude:
+        all of them when no more than ``k`` qualify, else the top ``k``."""
 
     def add(self, a: S, b: S) -> S:
         """``a + b`` on this rank, in ``a``'s capacity (which must hold the sum)."""
 
-    def pass_blocks(self, blocks: list[S], *, distance: int, count: int, budgets: Sequence[int]) -> list[S]:
+    def split_regions(self, s: S, starts: Any) -> list[S]:
+        """This rank's stream cut into P regions at the run-time ``starts`` of regions 1..P-1
+        (int32[P - 1], identical on every rank), each segment keeping its indices over the whole
+        vector (Ok-Topk's balanced regions)."""
+
+    def pass_blocks(self, blocks: list[S], *, distance: int, count: int,
+                    budgets: Sequence[int] | None = None) -> list[S]:
         """One round of SparDL's Spar-Reduce-Scatter among teams of B = ``len(blocks)``
         consecutive ranks, block q belonging to the rank at position q of its team. The rank at
         position q sends the top ``budgets[b]`` entries of each of its blocks b = q + distance + j
         (j < ``count``, mod B) to the rank at q + distance and keeps the rest in them; it adds
-        what the rank at q - distance sends into its blocks q + j."""
+        what the rank at q - distance sends into its blocks q + j. Without ``budgets`` the blocks
+        are handed over whole (and left empty)."""
 
-    def select_owned(self, blocks: list[S], budgets: Sequence[int]) -> tuple[S, list[S]]:
-        """(The top ``budgets[q]`` entries of this rank's own block q, as a part for
-        :meth:`allgather`; the blocks with the rest left in the owned one.)"""
+    def select_owned(self, blocks: list[S], budgets: Sequence[int], *, threshold: Any = None) -> tuple[S, list[S]]:
+        """(The top ``budgets[q]`` entries of this rank's own block q, as :meth:`select` takes
+        them, as a part for :meth:`allgather`; the blocks with the rest left in the owned one.)"""
 
     def residual(self, x: S, held: S, total: S) -> S:
         """SparDL's global residual collection: ``held`` where ``total`` is nonzero and ``x``

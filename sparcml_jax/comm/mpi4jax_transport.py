@@ -29,8 +29,8 @@ from mpi4py import MPI
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
-                                       part_capacity, part_length, peers_of, ring_segments, segment_capacities,
-                                       segment_slot, selected_capacity)
+                                       part_capacity, part_length, passed_capacity, peers_of, ring_segments,
+                                       segment_capacities, segment_slot, selected_capacity)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds, scatter_add
 from sparcml_jax.kernels.topk import topk
@@ -50,6 +50,7 @@ class Part:
     values: jax.Array | None
     source_capacity: int
     slot: int = -1  # a selected part (source_capacity -1): the pairs every rank's part has room for
+    regions: bool = False  # a part of run-time regions: its indices are over the whole vector
 
 
 def _header(nnz) -> jax.Array:
@@ -249,7 +250,8 @@ class Mpi4jaxTransport:
         for q in range(p):  # each part re-based to global indices, its padding to n
             idx, val, count = _unpack(gathered[q], slot)
             valid = jnp.arange(slot) < count
-            streams.append(SparseStream(jnp.where(valid, idx + part_bounds(n, p, q)[0], n), val, count, n))
+            start = 0 if part.regions else part_bounds(n, p, q)[0]
+            streams.append(SparseStream(jnp.where(valid, idx + start, n), val, count, n))
         # The parts cover disjoint ranges in order, so merging them concatenates them and applies the
         # dense switch. Per-part XLA scatters made the algorithm 1.6-2.1x slower (P = 2, N = 2^22).
         if p == 1:  # a merge with nothing applies the dense switch all the same
@@ -326,42 +328,82 @@ class Mpi4jaxTransport:
 
     # --------------------------------------------------------------------------- global top-k
 
-    def select(self, s: SparseStream, k: int) -> tuple[SparseStream, SparseStream]:
+    def select(self, s: SparseStream, k: int, *, threshold: jax.Array | None = None
+               ) -> tuple[SparseStream, SparseStream]:
         take = selected_capacity(k, s.capacity, s.size)
-        chosen = topk(s.values, take).indices  # positions, ascending: padding (zeros) only after every entry
-        kept = SparseStream(s.indices[chosen], s.values[chosen], jnp.minimum(take, s.nnz).astype(INDEX_DTYPE), s.size)
-        left = (jnp.arange(s.capacity) < s.nnz).at[chosen].set(False)
+        valid = jnp.arange(s.capacity) < s.nnz
+
+        def largest():  # positions, ascending: padding (zeros) only after every entry
+            return jnp.where(jnp.arange(take) < s.nnz, topk(s.values, take).indices, s.capacity), jnp.minimum(take, s.nnz)
+
+        if threshold is None:
+            chosen, count = largest()
+        else:
+            above = valid & (s.values != 0) & (jnp.abs(s.values) >= threshold)
+            count = jnp.sum(above, dtype=INDEX_DTYPE)
+            chosen, count = jax.lax.cond(count <= take, lambda: (jnp.nonzero(above, size=take, fill_value=s.capacity)[0]
+                                                                 .astype(INDEX_DTYPE), count), largest)
+        kept = SparseStream(s.indices.at[chosen].get(mode="fill", fill_value=s.size),
+                            s.values.at[chosen].get(mode="fill", fill_value=0.0), count.astype(INDEX_DTYPE), s.size)
+        left = valid.at[chosen].set(False, mode="drop")
         slots = jnp.where(left, jnp.cumsum(left) - 1, s.capacity)  # the rest packed in order; the others dropped
         pairs = SparseStream(jnp.full((s.capacity,), s.size, INDEX_DTYPE).at[slots].set(s.indices, mode="drop"),
                              jnp.zeros((s.capacity,), VALUE_DTYPE).at[slots].set(s.values, mode="drop"),
                              (s.nnz - kept.nnz).astype(INDEX_DTYPE), s.size)
         if s.capacity < s.size:  # never the dense representation
             return kept, pairs
-        zeroed = SparseStream(s.indices, s.values.at[chosen].set(0.0), s.nnz, s.size)
+        zeroed = SparseStream(s.indices, s.values.at[chosen].set(0.0, mode="drop"), s.nnz, s.size)
         return kept, jax.tree.map(lambda d, q: jnp.where(s.is_dense, d, q), zeroed, pairs)
+
+    def split_regions(self, s: SparseStream, starts: jax.Array) -> list[SparseStream]:
+        n, slot = s.size, min(s.capacity, s.size)
+        bounds = jnp.concatenate([jnp.zeros((1,), INDEX_DTYPE), jnp.asarray(starts, INDEX_DTYPE),
+                                  jnp.full((1,), n, INDEX_DTYPE)])
+        bounds = jax.lax.cummax(jnp.clip(bounds, 0, n))
+        s = self._checked(s)
+        valid = jnp.arange(s.capacity) < s.nnz
+        offsets = jnp.minimum(jnp.searchsorted(jnp.where(valid, s.indices, n), bounds, side="left"), s.nnz)
+        padded = resize(s, s.capacity + slot)
+        out = []
+        for r in range(self.nprocs):
+            count = (offsets[r + 1] - offsets[r]).astype(INDEX_DTYPE)
+            inside = jnp.arange(slot) < count
+            idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,))
+            val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
+            out.append(SparseStream(jnp.where(inside, idx, n), jnp.where(inside, val, 0.0), count, n))
+        return out
 
     def add(self, a: SparseStream, b: SparseStream) -> SparseStream:
         return merge(a, b, delta=self.delta, capacity=a.capacity)
 
     def pass_blocks(self, blocks: list[SparseStream], *, distance: int, count: int,
-                    budgets: Sequence[int]) -> list[SparseStream]:
+                    budgets: Sequence[int] | None = None) -> list[SparseStream]:
         out = list(blocks)
         dest, source, moves = block_pass(self.rank, len(blocks), distance, count)
         for send, into in moves:
-            kept, out[send] = self.select(out[send], budgets[send])
+            if budgets is None:  # handed over whole; what arrives has the capacity of every rank's unsent blocks
+                kept, out[send] = out[send], SparseStream.empty(out[send].size, out[send].capacity)
+                arriving = kept.capacity
+            else:
+                kept, out[send] = self.select(out[send], budgets[send])
+                arriving = selected_capacity(budgets[into], out[into].capacity, out[into].size)
             target = out[into]
-            got, sent = self._transfer(kept, dest, source, target.size,
-                                       selected_capacity(budgets[into], target.capacity, target.size))
-            out[into] = merge(target, got, delta=self.delta, capacity=target.capacity)
+            got, sent = self._transfer(kept, dest, source, target.size, arriving)
+            capacity = passed_capacity(target.capacity, arriving, target.size, budgets is None, self.delta)
+            # An Ok-Topk region stays pairs: its entries lie in a sub-range (delta 4: never dense).
+            out[into] = merge(target, got, delta=4.0 if budgets is None else self.delta, capacity=capacity)
             self._after(True, out[into].is_dense, sent)
         return out
 
-    def select_owned(self, blocks: list[SparseStream], budgets: Sequence[int]) -> tuple[Part, list[SparseStream]]:
+    def select_owned(self, blocks: list[SparseStream], budgets: Sequence[int], *,
+                     threshold: jax.Array | None = None) -> tuple[Part, list[SparseStream]]:
         width, out = len(blocks), list(blocks)
         own = self.rank % width
-        kept, out[own] = self.select(out[own], budgets[own])
+        kept, out[own] = self.select(out[own], budgets[own], threshold=threshold)
         slot = owned_slot(budgets, [(b.capacity, b.size) for b in blocks])
-        return Part(kept, None, -1, slot), out
+        # A block over the whole vector is a region of split_regions (or SparDL's only nonempty range,
+        # which starts at 0 too): its indices need no re-basing.
+        return Part(kept, None, -1, slot, regions=kept.size == self.size), out
 
     def residual(self, x: SparseStream, held: SparseStream, total: SparseStream) -> SparseStream:
         return dense_stream(jnp.where(_densify(total) != 0, _densify(held), _densify(x)))

@@ -34,7 +34,8 @@ from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, owned_slot, part_capacity, part_length,
-                                       peers_of, ring_segments, segment_capacities, selected_capacity)
+                                       passed_capacity, peers_of, ring_segments, segment_capacities,
+                                       selected_capacity)
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 NAME = "native"
@@ -43,8 +44,8 @@ WORDS = 8
 (EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE, SELECT, ADD_LOCAL,
  RESIDUAL) = range(1, 15)
 COMBINE = {"add": 1, "replace": 2}
-HAND_OVER = 4
-PAIRS, DENSE_SLICES, QUANTIZED, SELECTED_PAIRS = 0, 1, 2, 3
+HAND_OVER, PAIRS_ONLY = 4, 8
+PAIRS, DENSE_SLICES, QUANTIZED, SELECTED_PAIRS, REGION_PAIRS = 0, 1, 2, 3, 4
 SCALES = {"max": 0, "l2": 1}
 # How long exit waits for reductions in flight (their peers must run them too).
 EXIT_TIMEOUT_ENV = "SPARCML_JAX_EXIT_TIMEOUT"
@@ -63,6 +64,7 @@ class Register:
       capacity: its static capacity.
       source_capacity: for a part, the capacity of the stream it was reduced from (-1 otherwise).
       slot: for a selected part, the pairs every rank's part has room for (-1 otherwise).
+      regions: a segment of :meth:`Recorder.split_regions` (its indices over the whole vector).
     """
 
     id: int
@@ -70,6 +72,15 @@ class Register:
     capacity: int
     source_capacity: int = -1
     slot: int = -1
+    regions: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A run-time operand of a program (a threshold's float bits, or the first of the region
+    starts): word ``index`` of the operands that :func:`run_global_topk` passes."""
+
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +152,8 @@ class Recorder:
         else:
             _, capacity = allgather_capacities(part.source_capacity, part.slot, n, self.nprocs, self.delta)
             out = self._new(n, capacity)
-            self.emit(ALLGATHER, out.id, out.capacity, part.id, SELECTED_PAIRS if part.source_capacity < 0 else PAIRS)
+            mode = REGION_PAIRS if part.regions else SELECTED_PAIRS if part.source_capacity < 0 else PAIRS
+            self.emit(ALLGATHER, out.id, out.capacity, part.id, mode)
         return out
 
     def allreduce(self, s: Register) -> Register:
@@ -169,11 +181,16 @@ class Recorder:
         self.emit(CONCAT, out.id, out.capacity, block[0].id)
         return out
 
-    def select(self, s: Register, k: int, **part: int) -> tuple[Register, Register]:
+    def select(self, s: Register, k: int, *, threshold: Operand | None = None, **part: Any) -> tuple[Register, Register]:
         kept = self._new(s.size, selected_capacity(k, s.capacity, s.size), **part)
         rest = self._new(s.size, s.capacity)
-        self.emit(SELECT, kept.id, kept.capacity, s.id, rest.id)
+        self.emit(SELECT, kept.id, kept.capacity, s.id, rest.id, 0 if threshold is None else threshold.index + 1)
         return kept, rest
+
+    def split_regions(self, s: Register, starts: Operand) -> list[Register]:
+        segments = [self._new(s.size, min(s.capacity, s.size), regions=True) for _ in range(self.nprocs)]
+        self.emit(SPLIT, segments[0].id, s.capacity, s.id, starts.index + 1)
+        return segments
 
     def add(self, a: Register, b: Register) -> Register:
         out = self._new(a.size, a.capacity)
@@ -181,21 +198,30 @@ class Recorder:
         return out
 
     def pass_blocks(self, blocks: list[Register], *, distance: int, count: int,
-                    budgets: Sequence[int]) -> list[Register]:
+                    budgets: Sequence[int] | None = None) -> list[Register]:
         out = list(blocks)
         dest, source, moves = block_pass(self.rank, len(blocks), distance, count)
         for send, into in moves:
-            kept, out[send] = self.select(out[send], budgets[send])
+            if budgets is None:
+                kept = out[send]
+            else:
+                kept, out[send] = self.select(out[send], budgets[send])
             target = out[into]
-            out[into] = self._new(target.size, target.capacity)
-            self.emit(EXCHANGE, out[into].id, target.capacity, kept.id, target.id, dest, source, COMBINE["add"])
+            capacity = passed_capacity(target.capacity, kept.capacity, target.size, budgets is None, self.delta)
+            out[into] = self._new(target.size, capacity, regions=target.regions)
+            self.emit(EXCHANGE, out[into].id, capacity, kept.id, target.id, dest, source,
+                      COMBINE["add"] | (PAIRS_ONLY if target.regions else 0))
+            if budgets is None:  # handed over whole
+                self.emit(FREE, 0, 0, kept.id)
         return out
 
-    def select_owned(self, blocks: list[Register], budgets: Sequence[int]) -> tuple[Register, list[Register]]:
+    def select_owned(self, blocks: list[Register], budgets: Sequence[int], *,
+                     threshold: Operand | None = None) -> tuple[Register, list[Register]]:
         width, out = len(blocks), list(blocks)
         slot = owned_slot(budgets, [(b.capacity, b.size) for b in blocks])
         own = self.rank % width
-        part, out[own] = self.select(out[own], budgets[own], source_capacity=-1, slot=slot)
+        part, out[own] = self.select(out[own], budgets[own], threshold=threshold, source_capacity=-1, slot=slot,
+                                     regions=out[own].regions)
         return part, out
 
     def residual(self, x: Register, held: Register, total: Register) -> Register:
@@ -306,10 +332,13 @@ def run(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signatu
     return result, algorithm, sent, dense_round
 
 
-def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float):
-    """Runs a global top-k's ``program`` on this rank's dense input. Returns (result, this rank's
-    dense residual, bytes sent)."""
-    result, _, sent, _, residual = _bind_run(program, x, comm, signature, delta, None, False)
+def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
+                    operands: jax.Array | None = None):
+    """Runs a global top-k's ``program`` on this rank's dense input, with its run-time
+    ``operands`` (uint32 words, see :class:`Operand`). Returns (result, this rank's dense
+    residual, bytes sent)."""
+    words = None if operands is None else jnp.concatenate([jnp.zeros((2,), jnp.uint32), operands])
+    result, _, sent, _, residual = _bind_run(program, x, comm, signature, delta, words, False)
     return result, residual, sent
 
 

@@ -30,7 +30,8 @@ import numpy as np
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
-                                       part_capacity, segment_capacities, segment_slot, selected_capacity)
+                                       part_capacity, passed_capacity, segment_capacities, segment_slot,
+                                       selected_capacity)
 from sparcml_jax.stream import dense_threshold
 
 
@@ -45,6 +46,7 @@ class SimStream:
     val: np.ndarray
     source_capacity: int = -1
     slot: int = -1  # a selected part: the pairs every rank's part has room for
+    regions: bool = False  # a segment of split_regions: indices over the whole vector
 
     @classmethod
     def pairs(cls, n: int, capacity: int, idx, val) -> "SimStream":
@@ -105,14 +107,15 @@ class Simulated:
             return SimStream(s.n, s.capacity, None, s.to_dense(), s.source_capacity)
         return s
 
-    def _add(self, a: SimStream, b: SimStream, capacity: int) -> SimStream:
+    def _add(self, a: SimStream, b: SimStream, capacity: int, pairs_only: bool = False) -> SimStream:
         if a.dense or b.dense:
             return SimStream(a.n, capacity, None, a.to_dense() + b.to_dense())
         idx = np.union1d(a.idx, b.idx)
         total = np.zeros(a.n, np.float32)
         np.add.at(total, a.idx, a.val)
         np.add.at(total, b.idx, b.val)
-        return self._settle(SimStream(a.n, capacity, idx, total[idx]))
+        out = SimStream(a.n, capacity, idx, total[idx])
+        return out if pairs_only else self._settle(out)
 
     def _travelling(self, s: SimStream) -> SimStream:
         """A range as it travels: its dense slice once that is no larger than its pairs."""
@@ -133,8 +136,8 @@ class Simulated:
         values = np.zeros(n, np.float32)
         idx = []
         for r, part in enumerate(parts):
-            lo = part_bounds(n, p, r)[0]
-            values[lo:lo + part.n] = part.to_dense()
+            lo = 0 if part.regions else part_bounds(n, p, r)[0]
+            values[lo:lo + part.n] += part.to_dense()  # (regions are disjoint)
             idx.append(lo + (np.arange(part.n) if part.dense else part.idx))
         if total >= self._threshold(n) and capacity >= n:
             return SimStream(n, capacity, None, values)
@@ -244,35 +247,61 @@ class Simulated:
 
     # --------------------------------------------------------------------------- global top-k
 
-    def select(self, s: Ranks, k: int) -> tuple[Ranks, Ranks]:
-        kept, rest = zip(*(_select(x, k) for x in s))
+    def select(self, s: Ranks, k: int, *, threshold: float | Sequence[float] | None = None) -> tuple[Ranks, Ranks]:
+        """``threshold``: one for every rank, or each rank's own."""
+        least = [threshold] * self.nprocs if threshold is None or np.ndim(threshold) == 0 else list(threshold)
+        kept, rest = zip(*(_select(x, k, t) for x, t in zip(s, least)))
         return list(kept), list(rest)
+
+    def split_regions(self, s: Ranks, starts: Sequence[int]) -> list[Ranks]:
+        n = self.size
+        bounds = np.maximum.accumulate(np.clip(np.concatenate([[0], np.asarray(starts, np.int64), [n]]), 0, n))
+        out = []
+        for r in range(self.nprocs):
+            lo, hi = int(bounds[r]), int(bounds[r + 1])
+            region = []
+            for x in s:
+                idx = np.arange(n) if x.dense else x.idx
+                keep = (idx >= lo) & (idx < hi)
+                region.append(SimStream(n, min(x.capacity, n), idx[keep].astype(np.int64), x.val[keep].copy(),
+                                        regions=True))
+            out.append(region)
+        return out
 
     def add(self, a: Ranks, b: Ranks) -> Ranks:
         return [self._add(x, y, x.capacity) for x, y in zip(a, b)]
 
-    def pass_blocks(self, blocks: list[Ranks], *, distance: int, count: int, budgets: Sequence[int]) -> list[Ranks]:
+    def pass_blocks(self, blocks: list[Ranks], *, distance: int, count: int,
+                    budgets: Sequence[int] | None = None) -> list[Ranks]:
         out = [list(block) for block in blocks]
         arriving = []
         for r in range(self.nprocs):
             dest, _, moves = block_pass(r, len(blocks), distance, count)
             for send, _ in moves:  # the dest adds it into the same block (its q + j)
-                kept, out[send][r] = _select(blocks[send][r], budgets[send])
+                if budgets is None:  # handed over whole
+                    kept, out[send][r] = blocks[send][r], dataclasses.replace(_empty(self.size, blocks[send][r].capacity),
+                                                                              regions=blocks[send][r].regions)
+                else:
+                    kept, out[send][r] = _select(blocks[send][r], budgets[send])
                 self.sent[r] += self._message(kept)
                 arriving.append((send, dest, kept))
         for b, dest, kept in arriving:
-            out[b][dest] = self._add(out[b][dest], kept, out[b][dest].capacity)
+            target = out[b][dest]
+            capacity = passed_capacity(target.capacity, kept.capacity, target.n, budgets is None, self.delta)
+            out[b][dest] = dataclasses.replace(self._add(target, kept, capacity, pairs_only=target.regions),
+                                               regions=target.regions)
         return out
 
-    def select_owned(self, blocks: list[Ranks], budgets: Sequence[int]) -> tuple[Ranks, list[Ranks]]:
+    def select_owned(self, blocks: list[Ranks], budgets: Sequence[int], *,
+                     threshold: float | None = None) -> tuple[Ranks, list[Ranks]]:
         width = len(blocks)
         slot = owned_slot(budgets, [(block[0].capacity, block[0].n) for block in blocks])
         out = [list(block) for block in blocks]
         parts = []
         for r in range(self.nprocs):
             q = r % width
-            kept, out[q][r] = _select(blocks[q][r], budgets[q])
-            parts.append(dataclasses.replace(kept, source_capacity=-1, slot=slot))
+            kept, out[q][r] = _select(blocks[q][r], budgets[q], threshold)
+            parts.append(dataclasses.replace(kept, source_capacity=-1, slot=slot, regions=blocks[q][r].regions))
         return parts, out
 
     def residual(self, x: Ranks, held: Ranks, total: Ranks) -> Ranks:
@@ -294,12 +323,16 @@ def magnitude_key(values: np.ndarray) -> np.ndarray:
     return np.asarray(values, np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
 
 
-def _select(s: SimStream, k: int) -> tuple[SimStream, SimStream]:
-    """(Top min(k, entries) by magnitude, ties to the lower index, as pairs; the rest of s)."""
+def _select(s: SimStream, k: int, threshold: float | None = None) -> tuple[SimStream, SimStream]:
+    """(Top min(k, entries) by magnitude, ties to the lower index, as pairs; the rest of s). With
+    a threshold: the nonzero entries of at least its magnitude, if no more than k; else the top k."""
     idx = np.arange(s.n) if s.dense else s.idx
     take = min(k, len(idx))
-    order = np.lexsort((idx, -magnitude_key(s.val).astype(np.int64)))[:take]
-    chosen = np.sort(order)
+    above = np.flatnonzero((s.val != 0) & (np.abs(s.val) >= np.float32(threshold))) if threshold is not None else None
+    if above is not None and len(above) <= take:
+        chosen = above
+    else:
+        chosen = np.sort(np.lexsort((idx, -magnitude_key(s.val).astype(np.int64)))[:take])
     kept = SimStream(s.n, selected_capacity(k, s.capacity, s.n), idx[chosen].astype(np.int64), s.val[chosen].copy())
     if s.dense:
         values = s.val.copy()

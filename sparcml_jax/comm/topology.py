@@ -137,6 +137,14 @@ def tree_rounds(nprocs: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
+def passed_capacity(capacity: int, sent: int, size: int, whole: bool, delta: float) -> int:
+    """Capacity of a block after a Spar-Reduce-Scatter round adds a block of ``sent`` slots into
+    it: its own when the sender re-selected to the block's budget (SparDL), the sum of both when
+    the sender handed a whole region over (Ok-Topk; a region stays pairs: its entries lie in a
+    sub-range of the ``size`` its indices span)."""
+    return min(capacity + sent, size) if whole else capacity
+
+
 def selected_capacity(k: int, capacity: int, size: int) -> int:
     """Capacity of the top ``k`` entries of a stream of ``capacity`` slots over ``size`` entries."""
     return min(k, capacity, size)
@@ -162,3 +170,12 @@ def selection_budgets(k: int, size: int, parts: int) -> list[int]:
     """Entries kept of each of the P ranges: ceil(k L_q / N), so that they add up to at most
     k + P, and to every entry when k = N."""
     return [-(-k * part_length(size, parts, q) // max(size, 1)) for q in range(parts)]
+
+
+def oktopk_capacities(k: int, size: int, parts: int) -> tuple[int, int]:
+    """(Entries a rank selects locally, entries each region's owner keeps) of Ok-Topk: twice the
+    budget, so that a threshold carried from an earlier step may select up to 2k locally and
+    2k in all; every entry when k = N (then nothing is ever dropped)."""
+    if k >= size:
+        return size, size
+    return min(2 * k, size), min(-(-2 * k // parts), size)

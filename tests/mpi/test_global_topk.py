@@ -20,13 +20,20 @@ from mpi4py import MPI
 from _util import COMM, NPROCS, RANK, TRANSPORTS, check_identical_on_all_ranks, expect_error_everywhere, run_and_agree
 
 from sparcml_jax import GLOBAL_TOPK_ALGORITHMS, SparseStream, global_topk_allreduce
+from sparcml_jax.collectives.global_topk import init_oktopk_state
 from sparcml_jax.collectives._plan import definition
 from sparcml_jax.comm.simulated import SimStream, Simulated
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
-from global_topk_reference import gtopk_reference, spardl_reference  # noqa: E402
+from global_topk_reference import (balanced_starts, gtopk_reference, initial_oktopk_state,  # noqa: E402
+                                   kth_magnitude, oktopk_step_reference, spardl_reference)
 
-REFERENCES = {"spardl": spardl_reference, "gtopk": gtopk_reference}
+
+def oktopk_first_step(xs, k):
+    return oktopk_step_reference(xs, k, initial_oktopk_state(len(xs)))[:3]
+
+
+REFERENCES = {"spardl": spardl_reference, "gtopk": gtopk_reference, "oktopk": oktopk_first_step}
 # (N, k): N = 1001 divides by none of 2..8; k = N is the dense sum; N = 3 is smaller than most P.
 CASES = ((1001, 0), (1001, 10), (1001, 1001), (3, 2))
 KINDS = ("random", "sparse", "ties")
@@ -45,11 +52,23 @@ def accumulators(n: int, kind: str, seed: int) -> list[np.ndarray]:
     return out
 
 
-def simulated_bytes(algorithm: str, transport: str, xs: list[np.ndarray], k: int) -> float:
+def simulated_bytes(algorithm: str, transport: str, xs: list[np.ndarray], k: int, state: dict | None = None,
+                    tau: int = 128, tau_prime: int = 64) -> float:
+    """Rank RANK's bytes as the simulated transport counts the definition's (Ok-Topk's: with
+    the thresholds and starts of the reference's step, plus its balancing allreduce)."""
     n = xs[0].size
     t = Simulated(NPROCS, n, wire=transport)
-    definition(algorithm)(t, [SimStream(n, n, None, x.copy()) for x in xs], k=k)
-    return t.sent[RANK]
+    options, balancing = {}, 0.0
+    if algorithm == "oktopk":
+        state = initial_oktopk_state(NPROCS) if state is None else state
+        exact = state["step"] % tau == 0
+        local = [kth_magnitude(x, k) for x in xs] if exact else state["local"]
+        repartition = state["step"] % tau_prime == 0 and NPROCS > 1
+        starts = balanced_starts(xs, local) if repartition else state["starts"]
+        options = dict(local_threshold=local, global_threshold=state["global"], starts=starts, exact=exact)
+        balancing = 2 * (NPROCS - 1) / NPROCS * 8 * (NPROCS - 1) if repartition else 0.0
+    definition(algorithm)(t, [SimStream(n, n, None, x.copy()) for x in xs], k=k, **options)
+    return float(np.float32(t.sent[RANK]) + np.float32(balancing))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -72,7 +91,7 @@ def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
                 books = got + COMM.allreduce(np.asarray(residual), op=MPI.SUM)
                 if not np.array_equal(books, np.sum(xs, axis=0, dtype=np.float32)):
                     failures.append(f"{label}: total + residuals != inputs")
-                bound = min(n, k + NPROCS if algorithm == "spardl" else k)
+                bound = min(n, k + NPROCS if algorithm == "spardl" else k)  # (Ok-Topk's first step re-evaluates: k)
                 if np.count_nonzero(got) > bound or (int(total.nnz) > bound and int(total.nnz) != n):
                     failures.append(f"{label}: {int(total.nnz)} entries, above the bound {bound}")
                 if float(stats.bytes_sent) != simulated_bytes(algorithm, transport, xs, k):
@@ -133,3 +152,63 @@ def test_error_feedback_inside_jit_keeps_the_books_over_steps(transport):
         return failures
 
     run_and_agree(body, f"error feedback in jit ({transport})")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_oktopk_carries_its_state_as_its_reference_does(transport):
+    """Ok-Topk over steps with its state: thresholds re-evaluated every third step and carried
+    (and moved) in between, regions re-balanced every second; every step is the reference's,
+    keeps the books, and stays within its bound: k entries after a re-evaluation, P ceil(2k / P)
+    otherwise."""
+    tau, tau_prime, n, k = 3, 2, 1001, 10
+
+    def body():
+        failures, state, want = [], init_oktopk_state(), initial_oktopk_state(NPROCS)
+        residuals = [np.zeros(n, np.float32) for _ in range(NPROCS)]
+        for step in range(7):
+            grads = accumulators(n, ("random", "sparse")[step % 2], seed=step)
+            xs = [g + r for g, r in zip(grads, residuals)]
+            label = f"oktopk/{transport} step {step}"
+            sent = simulated_bytes("oktopk", transport, xs, k, want, tau, tau_prime)
+            total, residual, state, stats = global_topk_allreduce(
+                jnp.asarray(xs[RANK]), k, algorithm="oktopk", transport=transport, oktopk_state=state, tau=tau,
+                tau_prime=tau_prime, return_stats=True)
+            want_total, _, residuals, want = oktopk_step_reference(xs, k, want, tau, tau_prime)
+            got = np.asarray(total.to_dense())
+            if not np.array_equal(got, want_total) or not np.array_equal(np.asarray(residual), residuals[RANK]):
+                failures.append(f"{label}: differs from the reference")
+            if not np.array_equal(got + COMM.allreduce(np.asarray(residual), op=MPI.SUM), np.sum(xs, axis=0)):
+                failures.append(f"{label}: total + residuals != inputs")
+            bound = k if step % tau == 0 else NPROCS * -(-2 * k // NPROCS)
+            if int(total.nnz) > bound:
+                failures.append(f"{label}: {int(total.nnz)} entries, above the bound {bound}")
+            got_state = (int(state.step), np.float32(state.local_threshold), np.float32(state.global_threshold),
+                         np.asarray(state.starts).tolist())
+            want_state = (want["step"], want["local"][RANK], want["global"], np.asarray(want["starts"]).tolist())
+            if got_state != want_state:
+                failures.append(f"{label}: state {got_state}, the reference's {want_state}")
+            if float(stats.bytes_sent) != sent:
+                failures.append(f"{label}: sent {float(stats.bytes_sent)} bytes, the definition says {sent}")
+            failures += check_identical_on_all_ranks(total, label)
+        return failures
+
+    run_and_agree(body, f"oktopk with state ({transport})")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_oktopk_state_errors_raise_on_every_rank(transport):
+    x, state = jnp.ones(64), init_oktopk_state()
+    expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="spardl", oktopk_state=state,
+                                                          transport=transport), "oktopk_state is Ok-Topk's",
+                            "a state for SparDL")
+    expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="oktopk", tau=0, transport=transport),
+                            "tau must be a static int >= 1", "tau = 0")
+    wrong = state._replace(starts=jnp.zeros((NPROCS + 1,), jnp.int32))
+    expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="oktopk", oktopk_state=wrong,
+                                                          transport=transport), "oktopk_state.starts must be",
+                            "starts of the wrong length")
+    if NPROCS > 1:  # ranks at different steps run different programs: the signatures disagree
+        skewed = state._replace(step=jnp.int32(RANK % 2))
+        expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="oktopk", oktopk_state=skewed, tau=2,
+                                                              transport=transport), "ranks disagree on exact",
+                                "ranks at different steps")
