@@ -9,7 +9,7 @@ leaves, so no stage ever treats a stream's indices as updates. They sit in this 
    :func:`error_feedback` wraps it and keeps what was not sent;
 2. :func:`reduce_streams` sums every rank's streams (and dense leaves) over MPI; in place of
    both steps, :func:`global_topk_reduce` sums dense buffers with a global top-k allreduce
-   (SparDL, gTop-k), which selects inside the collective, and keeps the residual it returns;
+   (SparDL, Ok-Topk, gTop-k), which selects inside the collective, and keeps the residual it returns;
 3. :func:`densify` turns the reduced streams back into dense leaves of the parameters' shapes.
 
 Any stage of your own may sit between them if it takes and returns such a pytree: a reduction
@@ -71,7 +71,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
-from sparcml_jax.collectives.global_topk import global_topk_allreduce
+from sparcml_jax.collectives.global_topk import OktopkState, global_topk_allreduce, init_oktopk_state
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.comm import check_transport, resolve_comm
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
@@ -430,22 +430,22 @@ class GlobalTopkState(NamedTuple):
       inner: the packer's state.
       count: int32 steps taken (for warm-up).
       stats: the last update's :class:`GradientStats`.
-      oktopk: state the algorithm carries from step to step, one per fused buffer (Ok-Topk's
-        thresholds and region boundaries); empty for SparDL and gTop-k.
+      oktopk: Ok-Topk's thresholds and region boundaries, one :class:`OktopkState` per fused
+        buffer, carried from step to step; empty for SparDL and gTop-k.
     """
 
     residual: Any
     inner: Any
     count: jax.Array
     stats: GradientStats
-    oktopk: tuple
+    oktopk: tuple[OktopkState, ...]
 
 
 def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, algorithm: str = "spardl",
                        density: float | None = None, k: int | None = None, error_feedback: bool = True,
                        transport: str = "native", comm: MPI.Comm | None = None, average: bool = True,
                        delta: float = 1.0, warmup_steps: int | jax.Array = 0) -> optax.GradientTransformation:
-    r"""Error feedback around a global top-k allreduce (SparDL §4, gTop-k): sparsify and sum in one stage.
+    r"""Error feedback around a global top-k allreduce (SparDL, Ok-Topk, gTop-k), in one stage.
 
     Rank :math:`r` forms :math:`a_r = g_r + e_r` (gradient plus residual), packs it with
     ``inner`` (typically :func:`~sparcml_jax.fuse_leaves`) and sums every fused buffer with
@@ -458,9 +458,11 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
     so everything applied plus every residual is the sum of all gradients, and the result keeps
     about ``k`` entries whatever the number of ranks (SparCML's sum of local top-k grows towards
     P k). No local top-k precedes it: the collective selects. A buffer of ``n`` entries gets
-    ``k = ceil(density * n)``, or its share of ``k`` as in :func:`sparsify`. Small leaves travel
-    in one dense allreduce and stream leaves of the gradient are summed exactly, as in
-    :func:`reduce_streams`. Follow with :func:`densify`.
+    ``k = ceil(density * n)``, or its share of ``k`` as in :func:`sparsify`. Ok-Topk's
+    thresholds and region boundaries, estimated from step to step, live in the state
+    (``optax.tree_utils.tree_get(state, "oktopk")``). Small leaves travel in one dense allreduce
+    and stream leaves of the gradient are summed exactly, as in :func:`reduce_streams`. Follow
+    with :func:`densify`.
 
     The stats count the result's nonzeros and the bytes sent; their ``algorithm`` indexes
     ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``. What the collective returned
@@ -510,9 +512,9 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params) if error_feedback else None
         inner_state = optax.EmptyState() if inner is None else inner.init(params)
         carried = ()
-        if algorithm in CARRIES_STATE:
+        if algorithm == "oktopk":
             fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
-            carried = tuple(_carried_init(algorithm, x.shape[0], kb) for x, kb in zip(fused, budgets(fused)))
+            carried = tuple(init_oktopk_state(comm) for _ in fused)
         stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
         return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
 
@@ -571,22 +573,19 @@ def _unpacked(packed: Any, dense: list, fused: list, given: list, treedef: Any, 
     return [x if is_stream(x) else x.reshape(jnp.shape(like)) for x, like in zip(out, leaves)]
 
 
-CARRIES_STATE = ("oktopk",)  # the global top-k algorithms whose state carries from step to step
-
-
-def _carried_init(algorithm: str, size: int, k: int) -> Any:
-    """The state ``algorithm`` carries between steps for one buffer of ``size`` entries."""
-    raise ValueError(f"global_topk_reduce: algorithm={algorithm!r} is not wired into the optax stage")
-
-
 def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | None, comm: MPI.Comm,
                      options: dict, code: int) -> tuple:
     """(sum, this rank's residual, carried state, result nnz, bytes sent, algorithm code) of one
     buffer; while ``warming`` the buffer is summed dense and nothing is held back."""
 
     def global_topk():
-        total, residual, stats = global_topk_allreduce(x, k, comm=comm, return_stats=True, **options)
-        return total, residual, carried, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, jnp.int32(code)
+        if carried is None:
+            total, residual, stats = global_topk_allreduce(x, k, comm=comm, return_stats=True, **options)
+            state = None
+        else:
+            total, residual, state, stats = global_topk_allreduce(x, k, comm=comm, oktopk_state=carried,
+                                                                  return_stats=True, **options)
+        return total, residual, state, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, jnp.int32(code)
 
     if warming is None:
         return global_topk()

@@ -242,10 +242,11 @@ def allreduce_gradients(
       quantize_bits: QSGD bits (2, 4, 8) on DSAR's dense allgather phase.
       algorithm: SparCML's, passed to :func:`sparcml_jax.sparse_allreduce` (``"auto"`` or one of
         ``sparcml_jax.ALGORITHMS``), or a global top-k allreduce (one of
-        ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``: ``"spardl"``, ``"gtopk"``). A global top-k one
-        sums ``gradient + residual`` with :func:`sparcml_jax.global_topk_allreduce`, whose result
-        keeps about ``k`` (or ``density`` of the entries) whatever the number of ranks, and keeps
-        the residual it returns as the error feedback: the chain is
+        ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``: ``"spardl"``, ``"oktopk"``, ``"gtopk"``). A
+        global top-k one sums ``gradient + residual`` with
+        :func:`sparcml_jax.global_topk_allreduce`, whose result keeps about ``k`` (or ``density``
+        of the entries) whatever the number of ranks, and keeps the residual it returns as the
+        error feedback (and Ok-Topk's thresholds and regions in the state): the chain is
         ``optax.chain(global_topk_reduce(fuse_leaves(...)), densify())``. It selects by magnitude
         inside the collective, so it takes neither ``sparsifier`` nor ``quantize_bits``,
         ``bucket_size``, ``quantize_scale``, ``cost_model`` or ``buckets``.

@@ -11,7 +11,6 @@ import sparcml_jax
 from sparcml_jax import ALGORITHMS, GLOBAL_TOPK_ALGORITHMS, allreduce_gradients, global_topk_reduce
 
 tree_get = optax.tree_utils.tree_get
-WIRED = ("spardl", "gtopk")
 
 
 def params_tree():
@@ -27,7 +26,7 @@ def _flat(tree):
     return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
 
 
-@pytest.mark.parametrize("algorithm", WIRED)
+@pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
 @pytest.mark.parametrize("fuse,min_size", [(True, 16), (False, 16), (True, 0)])
 def test_books_balance_over_steps(algorithm, fuse, min_size):
     """Everything sent plus the residual is the sum of every gradient, after every step."""
@@ -46,13 +45,14 @@ def test_books_balance_over_steps(algorithm, fuse, min_size):
     assert float(np.abs(_flat(tree_get(state, "residual"))).sum()) > 0  # something was held back
 
 
-@pytest.mark.parametrize("algorithm", WIRED)
-def test_sends_the_top_k_of_gradient_plus_residual(algorithm):
+@pytest.mark.parametrize("algorithm,steps", [("spardl", 2), ("gtopk", 2), ("oktopk", 1)])
+def test_sends_the_top_k_of_gradient_plus_residual(algorithm, steps):
     """Step 1 sends the k largest magnitudes; step 2 the k largest of the new gradient plus what
-    step 1 held back, exactly as a hand computation of error feedback."""
+    step 1 held back, exactly as a hand computation of error feedback. (Ok-Topk selects the exact
+    top k on its first step only; then by thresholds it estimates.)"""
     n, k = 5000, 123
     rng = np.random.default_rng(1)
-    grads = [rng.permutation(n).astype(np.float32) * rng.choice([-1, 1], n) for _ in range(2)]
+    grads = [rng.permutation(n).astype(np.float32) * rng.choice([-1, 1], n) for _ in range(steps)]
     tx = allreduce_gradients(k=k, algorithm=algorithm)
     state, update = tx.init({"w": jnp.zeros(n)}), jax.jit(tx.update)
     residual = np.zeros(n, np.float32)
@@ -67,7 +67,7 @@ def test_sends_the_top_k_of_gradient_plus_residual(algorithm):
         np.testing.assert_array_equal(np.asarray(tree_get(state, "residual")["w"]), residual)
 
 
-@pytest.mark.parametrize("algorithm", WIRED)
+@pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
 def test_stats_count_the_result(algorithm):
     params = params_tree()  # fused: 40*30 + 30*7 = 1410 entries; small: 30 + 7
     tx = allreduce_gradients(density=0.01, algorithm=algorithm, min_size=100)
@@ -102,6 +102,24 @@ def test_warmup_sends_dense_then_the_top_k():
     sent, state = update(grads, state)
     assert int((sent["w"] != 0).sum()) == 10
     assert GLOBAL_TOPK_ALGORITHMS[int(tree_get(state, "stats").algorithm) - len(ALGORITHMS)] == "gtopk"
+
+
+def test_oktopk_carries_its_estimates_in_the_state():
+    """One OktopkState per fused buffer: its step counts the updates (not the warm-up ones), and
+    its thresholds are estimated from the first step on."""
+    params = {"a": jnp.zeros(3000), "b": jnp.zeros(2000)}
+    tx = allreduce_gradients(density=0.02, algorithm="oktopk", fuse=False, warmup_steps=1)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    assert len(tree_get(state, "oktopk")) == 2 and int(tree_get(state, "oktopk")[0].step) == 0
+    rng = np.random.default_rng(4)
+    grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32)), params)
+             for _ in range(3)]
+    for g in grads:
+        _, state = update(g, state)
+    carried = tree_get(state, "oktopk")
+    assert [int(c.step) for c in carried] == [2, 2]  # the warm-up step summed dense
+    assert all(float(c.local_threshold) > 0 for c in carried)
 
 
 def test_without_error_feedback_the_rest_is_dropped():
