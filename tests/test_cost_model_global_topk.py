@@ -1,4 +1,4 @@
-"""The cost model prices the global top-k definitions (SparDL, gTop-k) by running them on
+"""The cost model prices the global top-k definitions (SparDL, gTop-k, Ok-Topk) by running them on
 :class:`Pricing`: the bytes it prices are the bytes the simulated transport counts for the same
 definition, the latency and bandwidth terms follow each algorithm's formula in P and k, the
 result stays at about k entries whatever P is, and the local selections over the dense input
@@ -18,7 +18,8 @@ from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS, definition
 from sparcml_jax.comm.simulated import SimStream, Simulated
 from sparcml_jax.comm.topology import selection_budgets
 
-PRICED = tuple(a for a in GLOBAL_TOPK_ALGORITHMS if a in ("spardl", "gtopk"))
+PRICED = GLOBAL_TOPK_ALGORITHMS
+SIMULATED = tuple(a for a in GLOBAL_TOPK_ALGORITHMS if a in ("spardl", "gtopk"))  # no run-time thresholds
 COMPUTE = dict(pair_cost=1e-9, element_cost=3e-10, select_cost=5e-10)
 MODEL = CostModel(alpha=2e-6, beta=1e-10, dense_alpha=5e-6, dense_beta=3e-10, **COMPUTE)
 
@@ -36,7 +37,7 @@ def simulated_sent(algorithm: str, p: int, n: int, k: int, wire: str) -> list[fl
     return t.sent
 
 
-@pytest.mark.parametrize("algorithm", PRICED)
+@pytest.mark.parametrize("algorithm", SIMULATED)
 @pytest.mark.parametrize("transport", ("native", "mpi4jax"))
 @pytest.mark.parametrize("p", (2, 3, 4, 5, 8))
 def test_priced_bytes_are_the_simulated_bytes(algorithm, transport, p):
@@ -82,6 +83,21 @@ def test_spardl_latency_is_one_message_per_block_and_the_allgathers_rounds(p):
     assert t.seconds == pytest.approx(p - 1 + math.log2(p))
 
 
+@pytest.mark.skipif("oktopk" not in GLOBAL_TOPK_ALGORITHMS, reason="no Ok-Topk")
+@pytest.mark.parametrize("p", (2, 4, 8, 64, 1024))
+def test_oktopk_hands_over_p_minus_1_regions_and_gathers_its_own(p):
+    """A step between re-evaluations: the carried thresholds select about k in all, k / P in
+    each region, by scans (no radix selection)."""
+    n, k = 1 << 20, 10_240
+    model = wire_only(alpha=1.0, beta=1.0)
+    t = model.pricing("oktopk", size=n, nnz=k, nprocs=p)
+    assert t.sent == pytest.approx(2 * (p - 1) * 8 * k / p)
+    assert t.messages == p - 1 + math.log2(p)
+    assert t.result_entries == pytest.approx(k)
+    slower = dataclasses.replace(MODEL, select_cost=10 * MODEL.select_cost)
+    assert slower.predict("oktopk", size=n, nnz=k, nprocs=p) == MODEL.predict("oktopk", size=n, nnz=k, nprocs=p)
+
+
 def test_prices_grow_in_p_and_k_as_the_formulas_say():
     """Bandwidth: gTop-k 16 k log2 P bytes, SparDL 16 (P - 1) k / P, so gTop-k's grows with
     log P and SparDL's stays below 16 k; both double with k."""
@@ -117,6 +133,8 @@ def test_the_local_selection_over_the_dense_input_is_priced(algorithm):
     k_of = lambda n: n // 100  # noqa: E731
     costs = [MODEL.predict(algorithm, size=n, nnz=k_of(n), nprocs=1) for n in (1 << 20, 1 << 22)]
     assert 0 < costs[0] and costs[1] == pytest.approx(4 * costs[0], rel=0.01)
+    if algorithm == "oktopk":
+        return  # its carried thresholds select by scans (see its own test)
     slower = dataclasses.replace(MODEL, select_cost=2 * MODEL.select_cost)
     for p in (1, 4):
         n = 1 << 22

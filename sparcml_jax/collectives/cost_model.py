@@ -1,5 +1,5 @@
 """The cost model behind ``algorithm="auto"`` (SparCML §5.3 and Appendix B), which also prices
-the global top-k allreduces (SparDL, gTop-k).
+the global top-k allreduces (SparDL, gTop-k, Ok-Topk).
 
 The model prices an algorithm by running its definition on :class:`Pricing`, a transport whose
 streams are estimates: every operation adds its predicted seconds, so the model prices exactly
@@ -24,7 +24,7 @@ from mpi4py import MPI
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, exchange_capacity, gathered_capacity,
                                        grown_capacity, largest_part_capacity, longest_part, owned_slot, part_capacity,
-                                       peers_of, segment_capacities, segment_slot, selected_capacity)
+                                       passed_capacity, peers_of, segment_capacities, segment_slot, selected_capacity)
 from sparcml_jax.stream import dense_threshold
 
 
@@ -145,13 +145,19 @@ class CostModel:
 
     def _global_topk_pricing(self, algorithm: str, *, size: int, k: int, nprocs: int, transport: str,
                              delta: float) -> "Pricing":
-        """A global top-k on the dense accumulators: priced for any P (one rank still selects)."""
+        """A global top-k on the dense accumulators: priced for any P (one rank still selects).
+        Ok-Topk is priced on a step between its re-evaluations (most of its steps): thresholds
+        carried from an earlier step, each selecting about k entries, and regions balanced."""
         from sparcml_jax.collectives._plan import definition
 
-        t = Pricing(self, size=size, nnz=size, nprocs=nprocs, transport=transport, delta=delta)
+        k = min(k, size)
+        t = Pricing(self, size=size, nnz=size, nprocs=nprocs, transport=transport, delta=delta, target=k)
+        options = {}
+        if algorithm == "oktopk":
+            options = dict(local_threshold=CARRIED, global_threshold=CARRIED, starts=CARRIED, exact=False)
         # The accumulator enters as a dense stream: XLA writes its indices 0..N-1.
         t.charge_passes(size)
-        total, residual = definition(algorithm)(t, Estimate(size, size, 1, entries=size), k=min(k, size))
+        total, residual = definition(algorithm)(t, Estimate(size, size, 1, entries=size), k=k, **options)
         t.result(total)
         t.hand_over_residual(residual)
         return t
@@ -163,7 +169,9 @@ class Estimate:
     sum of ``fan_in`` ranks' streams (each of the per-rank count, uniform over the vector).
     ``dense_values`` marks a reduce-scatter's dense slice; a part keeps ``source_capacity`` (-1:
     a selected part, which travels as its pairs). ``entries``, when not negative, is the
-    expected count itself (a selection's, a dense vector's) in place of the union bound."""
+    expected count itself (a selection's, a dense vector's) in place of the union bound.
+    ``pairs_only`` marks an Ok-Topk region: pairs whatever their count, over a span of ``size``
+    entries (its indices lie in the whole vector)."""
 
     size: int
     capacity: int
@@ -171,6 +179,7 @@ class Estimate:
     dense_values: bool = False
     source_capacity: int = -1
     entries: float = -1.0
+    pairs_only: bool = False
 
 
 class Pricing:
@@ -186,8 +195,11 @@ class Pricing:
     name = "pricing"
     nonblocking = False
 
-    def __init__(self, model: CostModel, *, size: int, nnz: float, nprocs: int, transport: str, delta: float):
+    def __init__(self, model: CostModel, *, size: int, nnz: float, nprocs: int, transport: str, delta: float,
+                 target: int | None = None):
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
+        # A global top-k's k: the entries a carried threshold selects in all.
+        self.target = target
         self.static = transport == "mpi4jax"
         self.variable_length = not self.static
         self.k = float(nnz)
@@ -244,6 +256,8 @@ class Pricing:
         return e.size * (1.0 - (1.0 - min(self.k, n) / n) ** e.fan_in)
 
     def is_dense(self, e: Estimate) -> bool:
+        if e.pairs_only:
+            return False
         return e.dense_values or (e.capacity >= e.size and 8.0 * self.count(e) >= 4.0 * e.size)
 
     def wire(self, e: Estimate) -> float:
@@ -361,8 +375,11 @@ class Pricing:
         capacity = length if dense else max(part_capacity(s.capacity, n, p, r, self.delta) for r in range(p))
         return Estimate(length, capacity, p, dense_values=dense, source_capacity=s.capacity)
 
-    def allgather(self, part: Estimate, *, dense: bool = False, quantize: Quantize | None = None) -> Estimate:
+    def allgather(self, part: Estimate, *, dense: bool = False, quantize: Quantize | None = None,
+                  width: int | None = None) -> Estimate:
         m, p, n = self.model, self.nprocs, self.n
+        if part.source_capacity < 0 and not (dense or quantize is not None):
+            return self._allgather_selected(part, p if width is None else width)
         rounds = math.log2(p) * m.latency(p)
         self.messages += math.ceil(math.log2(p))
         if dense or quantize is not None:
@@ -377,8 +394,6 @@ class Pricing:
                 self._stage_everywhere(2 * n + longest_part(n, p) * (1 + 2 * (n % p != 0)))
                 self._seconds += 0.0 if quantize is not None else self._result_buffers(out)
             return out
-        if part.source_capacity < 0:
-            return self._allgather_selected(part)
         whole = Estimate(n, gathered_capacity(part.source_capacity, n, p, self.delta), p,
                          source_capacity=part.source_capacity)
         if self.static:  # every part at the largest part's slot; P parts packed, gathered, re-based
@@ -395,15 +410,16 @@ class Pricing:
         self._seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
         return whole
 
-    def _allgather_selected(self, part: Estimate) -> Estimate:
-        """Every rank's selected part, as its pairs (never a dense slice): the result holds the
-        P selections, about k entries, whatever P is."""
-        m, p, n = self.model, self.nprocs, self.n
+    def _allgather_selected(self, part: Estimate, p: int) -> Estimate:
+        """Every rank's selected part (of its team of ``p``), as its pairs (never a dense slice):
+        the result holds the p selections, about k entries, whatever p is."""
+        m, n = self.model, self.n
         slot, capacity = allgather_capacities(-1, part.capacity, n, p, self.delta)
         whole = Estimate(n, capacity, p, entries=p * self.count(part))
         nbytes = 8.0 + 8.0 * slot if self.static else 8.0 * self.count(part)
-        self._seconds += math.log2(p) * m.latency(p) + (p - 1) * nbytes * m.beta
+        self._seconds += math.log2(p) * m.latency(self.nprocs) + (p - 1) * nbytes * m.beta
         self._sent += (p - 1) * nbytes
+        self.messages += math.ceil(math.log2(p))
         if self.static:  # packed, gathered, re-based and merged in XLA
             self._stage_everywhere(4 * slot + 6 * p * slot)
         self._seconds += self._assembly(self.count(whole)) + self._result_buffers(whole)
@@ -421,17 +437,23 @@ class Pricing:
             self._seconds += 2 * s.size * m.element_cost
         return out
 
-    def gather(self, s: Estimate) -> Estimate:
-        m, p = self.model, self.nprocs
+    def gather(self, s: Estimate, *, width: int | None = None) -> Estimate:
+        """Every rank's stream (with ``width``: of the ranks at its position in every team of
+        ``width``), summed."""
+        m = self.model
+        p = self.nprocs if width is None else self.nprocs // width
         out = Estimate(s.size, grown_capacity(s.capacity, s.size, p, self.delta), p)
-        self._seconds += math.log2(p) * m.latency(p) + (p - 1) * self.wire(s) * m.beta
+        if s.entries >= 0:
+            out = dataclasses.replace(out, entries=min(s.size * (1 - (1 - self.count(s) / max(s.size, 1)) ** p),
+                                                       out.capacity))
+        self._seconds += math.log2(p) * m.latency(self.nprocs) + (p - 1) * self.wire(s) * m.beta
         self._sent += (p - 1) * self.wire(s)
         self.messages += math.ceil(math.log2(p))
         self._seconds += p * self.count(s) * m.pair_cost + self._result_buffers(out)
         return out
 
-    def split(self, s: Estimate, *, fan_in: int = 1) -> list[Estimate]:
-        p = self.nprocs
+    def split(self, s: Estimate, *, fan_in: int = 1, parts: int | None = None) -> list[Estimate]:
+        p = self.nprocs if parts is None else parts
         length = longest_part(s.size, p)
         self._stage_everywhere(self._scatter_staging(s))
         if not (self._known_dense(s) and not self.static):  # a dense vector's segments are views of it
@@ -455,18 +477,27 @@ class Pricing:
         """A stream known to be a dense vector (a global top-k's accumulator and its blocks)."""
         return e.entries >= 0 and self.is_dense(e)
 
-    def select(self, s: Estimate, k: int) -> tuple[Estimate, Estimate]:
+    def select(self, s: Estimate, k: int, *, threshold=None) -> tuple[Estimate, Estimate]:
         """The radix selection reads every entry; the kept pairs are written, and the rest is
         copied (a dense vector with the kept entries zeroed, or the other pairs). On mpi4jax the
-        rest is packed by scatters over the whole capacity."""
+        rest is packed by scatters over the whole capacity.
+
+        A carried ``threshold`` (Ok-Topk's) is estimated to pass this stream's share of the
+        global top-k (k of the whole vector, uniform supports) and selects in two scans (count,
+        then collect) instead of a radix selection."""
         m = self.model
         entries = self.count(s)
-        take = min(float(k), entries)
-        kept = Estimate(s.size, selected_capacity(k, s.capacity, s.size), s.fan_in, entries=take)
+        if threshold is None:
+            take, reads = min(float(k), entries), entries * m.select_cost
+        else:
+            share = self.target * s.size / max(self.n, 1) if self.target is not None else k
+            take, reads = min(float(k), entries, share), 2 * entries * m.element_cost
+        kept = Estimate(s.size, selected_capacity(k, s.capacity, s.size), s.fan_in, entries=take,
+                        pairs_only=s.pairs_only)
         dense = self.is_dense(s)
         rest = dataclasses.replace(s, entries=s.size if dense else entries - take)
         rest_copy = 2 * s.size if dense else 4 * (entries - take)
-        self._seconds += entries * m.select_cost + (2 * take + rest_copy) * m.element_cost
+        self._seconds += reads + (2 * take + rest_copy) * m.element_cost
         if self.static:
             self._stage_everywhere(6 * s.capacity)
         return kept, rest
@@ -490,22 +521,53 @@ class Pricing:
         return out
 
     def pass_blocks(self, blocks: list[Estimate], *, distance: int, count: int,
-                    budgets: Sequence[int]) -> list[Estimate]:
+                    budgets: Sequence[int] | None = None) -> list[Estimate]:
         """A Spar-Reduce-Scatter round on rank 0: ``count`` blocks selected and sent, one message
-        each, and as many received and added into its own blocks (priced like those sent)."""
+        each, and as many received and added into its own blocks (priced like those sent).
+        Without ``budgets`` (Ok-Topk) a region is handed over whole and merged as pairs into the
+        owner's, which grows by the union bound over its span."""
         out = list(blocks)
         _, _, moves = block_pass(0, len(blocks), distance, count)
         for send, into in moves:
-            kept, out[send] = self.select(out[send], budgets[send])
+            if budgets is None:
+                kept, out[send] = out[send], dataclasses.replace(out[send], entries=0.0)
+            else:
+                kept, out[send] = self.select(out[send], budgets[send])
             self._seconds += self._send(self.wire(kept))
-            out[into] = self.add(out[into], kept)
+            if budgets is None:
+                target = out[into]
+                capacity = passed_capacity(target.capacity, kept.capacity, self.n, True, self.delta)
+                entries = min(_union(self.count(target), self.count(kept), target.size), capacity)
+                self._seconds += (self.count(target) + self.count(kept)) * self.model.pair_cost
+                out[into] = dataclasses.replace(target, capacity=capacity, fan_in=min(target.fan_in + 1, self.nprocs),
+                                                entries=entries)
+            else:
+                out[into] = self.add(out[into], kept)
         return out
 
-    def select_owned(self, blocks: list[Estimate], budgets: Sequence[int]) -> tuple[Estimate, list[Estimate]]:
+    def select_owned(self, blocks: list[Estimate], budgets: Sequence[int], *,
+                     threshold=None) -> tuple[Estimate, list[Estimate]]:
         out = list(blocks)
         slot = owned_slot(budgets, [(b.capacity, b.size) for b in blocks])
-        kept, out[0] = self.select(blocks[0], budgets[0])
+        kept, out[0] = self.select(blocks[0], budgets[0], threshold=threshold)
         return dataclasses.replace(kept, capacity=slot, source_capacity=-1), out
+
+    def split_regions(self, s: Estimate, starts) -> list[Estimate]:
+        """Ok-Topk's P regions, balanced by the selected indices: each holds a P-th of the
+        selection over a P-th of the vector (uniform supports); a stream's regions are views."""
+        p = self.nprocs
+        span = longest_part(self.n, p)
+        if self.is_dense(s):  # a dense stream's regions are copied out as pairs
+            self.charge_passes(3 * self.n)
+        return [Estimate(span, min(s.capacity, self.n), s.fan_in, entries=self.count(s) / p, pairs_only=True)
+                for _ in range(p)]
+
+    def reselect_across_teams(self, part: Estimate, budgets: Sequence[int]) -> Estimate:
+        """SparDL's Spar-All-Gather across teams: the owners of a block in every team sum their
+        selections (a gather among the P / ``len(budgets)`` of them) and re-select to the budget."""
+        summed = self.gather(dataclasses.replace(part, capacity=part.capacity), width=len(budgets))
+        kept, _ = self.select(summed, budgets[0])
+        return dataclasses.replace(kept, capacity=part.capacity, source_capacity=-1)
 
     def residual(self, x: Estimate, held: Estimate, total: Estimate) -> Estimate:
         """The input copied into a fresh vector, the held values densified unless dense, and
@@ -516,6 +578,17 @@ class Pricing:
         if self.static:
             self._stage_everywhere(6 * n)
         return Estimate(n, n, self.nprocs, entries=float(n))
+
+
+class _Carried:
+    """A run-time value of an earlier step (Ok-Topk's thresholds and region starts), as the
+    model sees it: the value Ok-Topk's estimates aim at."""
+
+    def __repr__(self) -> str:
+        return "CARRIED"
+
+
+CARRIED = _Carried()
 
 
 def _union(a: float, b: float, size: int) -> float:
