@@ -18,36 +18,47 @@ def top(values: np.ndarray, positions: np.ndarray, k: int) -> np.ndarray:
     return np.sort(positions[np.lexsort((positions, -key))][:k])
 
 
-def spardl_reference(xs: list[np.ndarray], k: int):
-    """(total as a dense vector, its sorted indices, every rank's residual)."""
+def spardl_reference(xs: list[np.ndarray], k: int, teams: int = 1):
+    """(total as a dense vector, its sorted indices, every rank's residual). With ``teams``:
+    Spar-Reduce-Scatter inside each team of P / teams consecutive ranks, then the owners of a
+    block in every team sum their selections and keep the top kb of the sum."""
     p, n = len(xs), xs[0].size
-    bounds = partition_bounds(n, p)
-    block = [np.arange(bounds[q], bounds[q + 1]) for q in range(p)]
+    width = p // teams
+    bounds = partition_bounds(n, width)
+    block = [np.arange(bounds[q], bounds[q + 1]) for q in range(width)]
     budget = [math.ceil(k * b.size / n) if n else 0 for b in block]
     acc = [x.astype(np.float32).copy() for x in xs]
-    rounds = math.ceil(math.log2(p)) if p > 1 else 0
+    rounds = math.ceil(math.log2(width)) if width > 1 else 0
     sizes = [2 ** i for i in range(rounds - 1)]
-    if p - 2 ** (rounds - 1) > 0 and rounds:
-        sizes.append(p - 2 ** (rounds - 1))
-    gap = p - sizes[-1] if sizes else 0
+    if width - 2 ** (rounds - 1) > 0 and rounds:
+        sizes.append(width - 2 ** (rounds - 1))
+    gap = width - sizes[-1] if sizes else 0
     for size in sizes[::-1]:
         messages = []
         for r in range(p):
+            team, q = divmod(r, width)
             for j in range(size):
-                b = (r + gap + j) % p
+                b = (q + gap + j) % width
                 chosen = top(acc[r], block[b], budget[b])
-                messages.append(((r + gap) % p, chosen, acc[r][chosen].copy()))
+                messages.append((team * width + (q + gap) % width, chosen, acc[r][chosen].copy()))
                 acc[r][chosen] = 0.0
         for dest, chosen, values in messages:
             acc[dest][chosen] += values
         gap //= 2
     total = np.zeros(n, np.float32)
     support = []
-    for r in range(p):
-        chosen = top(acc[r], block[r], budget[r])
-        total[chosen] = acc[r][chosen]
-        acc[r][chosen] = 0.0
-        support.append(chosen)
+    for q in range(width):
+        summed = np.zeros(n, np.float32)
+        union = []
+        for r in range(q, p, width):  # the owners of block q, team by team
+            chosen = top(acc[r], block[q], budget[q])
+            summed[chosen] += acc[r][chosen]
+            acc[r][chosen] = 0.0
+            union.append(chosen)
+        union = np.unique(np.concatenate(union))
+        kept = top(summed, union, budget[q]) if teams > 1 else union
+        total[kept] = summed[kept]
+        support.append(kept)
     support = np.concatenate(support) if support else np.zeros(0, np.int64)
     residuals = []
     nonzero = total != 0

@@ -137,3 +137,27 @@ def test_oktopk_hands_every_region_to_its_owner_once():
                       global_threshold=0.5, starts=[4, 8, 12], exact=False)
     assert t.sent == [8.0 * 3 + 8.0 * 4 * 3] * p  # the reduce-scatter, then its 4 pairs to 3 ranks
     np.testing.assert_array_equal(total[0].to_dense(), np.sum(xs, axis=0))
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_spardl_in_teams_is_its_reference(p):
+    """SparDL's Spar-All-Gather with G teams (every G > 1 that divides P): the reference bit for
+    bit, exact books, at most k + P / G entries, k = N the dense sum."""
+    for teams in [g for g in range(2, p + 1) if p % g == 0]:
+        for n in (1, 5, 64, 1001):
+            for kind in ("random", "sparse", "zero", "ties"):
+                xs = accumulators(p, n, kind, seed=3 * n + p)
+                for k in sorted({0, 1, max(1, n // 100), n // 10, n}):
+                    label = f"P={p} G={teams} N={n} {kind} k={k}"
+                    t = Simulated(p, n)
+                    total, residual = definition("spardl")(t, [SimStream(n, n, None, x.copy()) for x in xs], k=k,
+                                                           teams=teams)
+                    want_total, want_support, want_residuals = spardl_reference(xs, k, teams)
+                    for r in range(p):
+                        np.testing.assert_array_equal(total[r].to_dense(), want_total, err_msg=f"{label} rank {r}")
+                        np.testing.assert_array_equal(residual[r].to_dense(), want_residuals[r], err_msg=label)
+                    books = want_total + np.sum(want_residuals, axis=0, dtype=np.float32)
+                    np.testing.assert_array_equal(books, np.sum(xs, axis=0, dtype=np.float32), err_msg=label)
+                    assert len(want_support) <= min(n, k + p // teams), label
+                    if k == n:
+                        np.testing.assert_array_equal(want_total, np.sum(xs, axis=0, dtype=np.float32), err_msg=label)

@@ -86,7 +86,7 @@ class Interpreter {
       }
       case kAllgather:
         if (w[4] == kPairs || w[4] == kSelectedPairs || w[4] == kRegionPairs) {
-          AllgatherPairs(dst, cap, w[3], w[4] != kPairs, w[4] == kRegionPairs);
+          AllgatherPairs(dst, cap, w[3], w[4] != kPairs, w[4] == kRegionPairs, w[5]);
         } else {
           AllgatherDense(dst, w[3], w[4] == kQuantized ? static_cast<int>(w[5]) : 0, w[6], static_cast<int>(w[7]));
         }
@@ -96,11 +96,11 @@ class Interpreter {
         if (w[4] > 0) {
           SplitRegions(dst, Reg(w[3]), cap, w[4] - 1);
         } else {
-          Split(dst, Reg(w[3]), cap);
+          Split(dst, Reg(w[3]), cap, w[5]);
         }
         break;
-      case kConcat: Concat(dst, cap, w[3]); break;
-      case kGather: Gather(dst, cap, w[3]); break;
+      case kConcat: Concat(dst, cap, w[3], w[4]); break;
+      case kGather: Gather(dst, cap, w[3], w[4]); break;
       case kAgree: call_.Agree(Reg(w[3]).nnz); break;
       case kMove: {
         Stream s = Reg(w[3]);
@@ -244,6 +244,30 @@ class Interpreter {
     return out;
   }
 
+  // The ranks of this rank's group in order, for teams of `width` consecutive ranks (0: one team
+  // of every rank): its own team, or (`column`) the ranks at its position in every team.
+  std::vector<int> Group(int64_t width, bool column) const {
+    int p = call_.nprocs(), me = call_.rank();
+    int64_t b = width > 0 ? width : p;
+    std::vector<int> out;
+    if (column) {
+      for (int64_t r = me % b; r < p; r += b) out.push_back(static_cast<int>(r));
+    } else {
+      for (int64_t r = me - me % b; r < me - me % b + b; ++r) out.push_back(static_cast<int>(r));
+    }
+    return out;
+  }
+
+  // The other members of `group`, in a ring order from this rank: `ahead` d = 1, 2, ... places
+  // on (whom to send to), else d places back (whom to hear from).
+  std::vector<int> RingOf(const std::vector<int>& group, bool ahead) const {
+    int g = static_cast<int>(group.size());
+    int i = static_cast<int>(std::find(group.begin(), group.end(), call_.rank()) - group.begin());
+    std::vector<int> out;
+    for (int d = 1; d < g; ++d) out.push_back(group[ahead ? (i + d) % g : (i - d + g) % g]);
+    return out;
+  }
+
   // Range [lo, hi) of s, re-based to lo, as it travels (pairs, or a dense slice when no larger).
   Range RangeOf(const Stream& s, int64_t lo, int64_t hi) const {
     Range r;
@@ -383,32 +407,36 @@ class Interpreter {
     if (c) std::memcpy(w.val + offset, part.val, c * sizeof(float));
   }
 
-  // Parts of run-time regions (`regions`) already carry indices over the whole vector.
-  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src, bool as_pairs, bool regions) {
+  // Parts of run-time regions (`regions`) already carry indices over the whole vector. With
+  // teams of `width` ranks, the parts of this rank's team: range q of `width` from position q.
+  void AllgatherPairs(int64_t dst, int64_t cap, int64_t src, bool as_pairs, bool regions, int64_t width) {
     const Stream part = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
-    int64_t n = args_.n;
+    int64_t n = args_.n, parts = width > 0 ? width : p;
+    std::vector<int> team = Group(width, false);
     Range own = as_pairs ? PairsOf(part) : RangeOf(part, 0, part.n);  // else the dense slice when no larger
-    for (int i = 1; i < p; ++i) call_.Send((me + i) % p, own.header, own.idx, own.val);
+    for (int q : RingOf(team, true)) call_.Send(q, own.header, own.idx, own.val);
     std::vector<Call::Message> messages(p);
     int64_t total = own.header.count;
-    for (std::vector<int> pending = Peers(); !pending.empty();) {
+    for (std::vector<int> pending = RingOf(team, false); !pending.empty();) {
       int q = 0;
       Call::Message m = call_.ReceiveFirst(&pending, &q);
       total += m.h.count;
       messages[q] = std::move(m);
     }
-    call_.MarkAgreed();
+    if (parts == p) call_.MarkAgreed();  // every rank heard from every rank
     Stream out = Empty(n, cap);
     if (call_.failed()) {
-      for (int i = 1; i < p; ++i) call_.Payload((me - i + p) % p, messages[(me - i + p) % p], nullptr, nullptr);
+      for (int q : RingOf(team, false)) call_.Payload(q, messages[q], nullptr, nullptr);
     } else {
       bool to_dense = total >= DenseThreshold(n, args_.delta) && cap >= n;
       Writable w = Allocate(out, dst, n, total, to_dense);
       if (to_dense) std::memset(w.val, 0, n * sizeof(float));
       int64_t offset = 0;
-      for (int r = 0; r < p; ++r) {
-        int64_t lo = regions ? 0 : PartStart(n, p, r), length = regions ? n : PartStart(n, p, r + 1) - lo;
+      for (int64_t position = 0; position < parts; ++position) {
+        int r = team[position];
+        int64_t lo = regions ? 0 : PartStart(n, parts, position);
+        int64_t length = regions ? n : PartStart(n, parts, position + 1) - lo;
         Stream got = r == me ? AsStream(own, length, length) : Stream{};
         if (r != me) {
           const Call::Message& m = messages[r];
@@ -531,8 +559,9 @@ class Interpreter {
     AfterRound(dst, true);
   }
 
-  void Split(int64_t first, const Stream s, int64_t cap) {
-    int p = call_.nprocs();
+  // s cut into `parts` ranges (0: one per rank).
+  void Split(int64_t first, const Stream s, int64_t cap, int64_t parts) {
+    int p = parts > 0 ? static_cast<int>(parts) : call_.nprocs();
     for (int r = 0; r < p; ++r) {
       int64_t lo = PartStart(s.n, p, r), hi = PartStart(s.n, p, r + 1), length = hi - lo;
       int64_t segment_cap = std::min(cap, length);
@@ -587,8 +616,8 @@ class Interpreter {
     return f;
   }
 
-  void Concat(int64_t dst, int64_t cap, int64_t first) {
-    int p = call_.nprocs();
+  void Concat(int64_t dst, int64_t cap, int64_t first, int64_t parts) {
+    int p = parts > 0 ? static_cast<int>(parts) : call_.nprocs();
     int64_t n = args_.n, total = 0;
     for (int r = 0; r < p; ++r) total += Reg(first + r).dense ? Reg(first + r).n : Reg(first + r).nnz;
     Stream out = Empty(n, cap);
@@ -607,21 +636,24 @@ class Interpreter {
     Reg(dst) = out;
   }
 
-  void Gather(int64_t dst, int64_t cap, int64_t src) {
+  // The sum of the streams of this rank's column of teams of `width` (0: of every rank), in rank order.
+  void Gather(int64_t dst, int64_t cap, int64_t src, int64_t width) {
     const Stream s = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
-    for (int i = 1; i < p; ++i) call_.Send((me + i) % p, HeaderOf(s), s.idx, s.val);
+    std::vector<int> column = width > 0 ? Group(width, true) : Group(0, false);  // 0: every rank
+    for (int q : RingOf(column, true)) call_.Send(q, HeaderOf(s), s.idx, s.val);
     std::vector<Stream> streams(p);
     streams[me] = s;
-    for (std::vector<int> pending = Peers(); !pending.empty();) {
+    for (std::vector<int> pending = RingOf(column, false); !pending.empty();) {
       int q = 0;
       Call::Message m = call_.ReceiveFirst(&pending, &q);
       streams[q] = Received(q, m, s.n, m.h.count, -1);
     }
     call_.WaitSends();
-    call_.MarkAgreed();
-    Stream out = streams[0];
-    for (int r = 1; r < p; ++r) out = Add(out, streams[r], cap, r == p - 1 ? dst : -1);
+    if (static_cast<int>(column.size()) == p) call_.MarkAgreed();
+    Stream out = streams[column[0]];
+    for (size_t i = 1; i < column.size(); ++i)
+      out = Add(out, streams[column[i]], cap, i + 1 == column.size() ? dst : -1);
     out.capacity = cap;
     if (call_.failed()) out = Empty(s.n, cap);
     Reg(dst) = out;

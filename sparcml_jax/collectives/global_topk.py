@@ -84,6 +84,7 @@ def global_topk_allreduce(
     comm: MPI.Comm | None = None,
     transport: str = "native",
     delta: float = 1.0,
+    teams: int = 1,
     oktopk_state: OktopkState | None = None,
     tau: int = 128,
     tau_prime: int = 64,
@@ -104,6 +105,10 @@ def global_topk_allreduce(
       pairs, re-selected before each send), an allgather of the owned blocks, and global
       residual collection: a rank's residual is its own ``x`` except where the result is
       nonzero, where it is what the rank held there and did not pass on. At most k + P entries.
+      With ``teams`` G > 1 (Spar-All-Gather): the reduce-scatter runs in teams of P / G ranks,
+      the owners of a block in every team sum theirs and keep its top k / (P / G) again, and
+      each team gathers its blocks; at most k + P / G entries, in log2(P / G) + G + P / G - 2
+      messages per rank instead of log2 P + P - 1 (a little more volume: the teams' sums).
     - ``"gtopk"`` (gTop-k): a binomial tree of merges that keeps the top k of each, then a
       broadcast; every value dropped at a merge stays in the residual of the rank that dropped
       it (the published algorithm loses it at P >= 4). At most k entries.
@@ -122,6 +127,7 @@ def global_topk_allreduce(
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       transport: ``"native"`` (only valid entries travel) or ``"mpi4jax"`` (static buffers).
       delta: SparCML's dense switch for the result (dense once ``8 nnz >= delta 4 size``).
+      teams: SparDL's teams G (a static int that divides P); 1 is the plain allgather.
       oktopk_state: Ok-Topk's :class:`OktopkState` (from :func:`init_oktopk_state`, then from
         the previous call); with it the call also returns the next state.
       tau, tau_prime: Ok-Topk's intervals (static ints >= 1) of exact thresholds and of balanced
@@ -153,10 +159,11 @@ def global_topk_allreduce(
     try:
         plan, size, k = _check(comm, x, k, algorithm, transport, delta)
         _check_oktopk(comm, algorithm, oktopk_state, tau, tau_prime)
+        _check_teams(comm, algorithm, teams)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     if algorithm != "oktopk":
-        total, residual, stats = call_and_recover(_compiled(plan, algorithm, size, k), x)
+        total, residual, stats = call_and_recover(_compiled(plan, algorithm, size, k, int(teams)), x)
         return (total, residual, stats) if return_stats else (total, residual)
     state = init_oktopk_state(comm) if oktopk_state is None else oktopk_state
     total, residual, state, stats = call_and_recover(_compiled_oktopk(plan, size, k, int(tau), int(tau_prime)), x,
@@ -201,15 +208,26 @@ def _check_oktopk(comm: MPI.Comm, algorithm: str, state, tau, tau_prime) -> None
                              f"got {jnp.result_type(got)}{list(jnp.shape(got))}; start from init_oktopk_state(comm)")
 
 
+def _check_teams(comm: MPI.Comm, algorithm: str, teams) -> None:
+    if isinstance(teams, bool) or not isinstance(teams, (int, np.integer)) or teams < 1:
+        raise ValueError(f"teams must be a static int >= 1 (SparDL's teams), got {teams!r}")
+    if teams > 1 and algorithm != "spardl":
+        raise ValueError(f"teams is SparDL's Spar-All-Gather; algorithm={algorithm!r} has none: drop teams or pass "
+                         "algorithm='spardl'")
+    if comm.Get_size() % teams:
+        raise ValueError(f"teams={teams} must divide the number of ranks ({comm.Get_size()}), e.g. teams=1")
+
+
 @functools.lru_cache(maxsize=128)
-def _compiled(plan: Plan, algorithm: str, size: int, k: int):
+def _compiled(plan: Plan, algorithm: str, size: int, k: int, teams: int):
     code = GLOBAL_TOPK_ALGORITHMS.index(algorithm)
+    options = {"teams": teams} if teams > 1 else {}
 
     @jax.jit
     def run(x: jax.Array):
         signature = native.Signature.of("global_topk", size=size, k=k, algorithm=code, transport=plan.transport,
-                                        delta=plan.delta)
-        total, residual, sent = _run(plan, algorithm, size, k, signature, dense_stream(x), {})
+                                        delta=plan.delta, teams=teams)
+        total, residual, sent = _run(plan, algorithm, size, k, signature, dense_stream(x), {}, **options)
         stats = GlobalTopkStats(jnp.int32(code), sent, total.nnz, jnp.sum(jnp.abs(residual)))
         return total, residual, stats
 
@@ -217,12 +235,12 @@ def _compiled(plan: Plan, algorithm: str, size: int, k: int):
 
 
 def _run(plan: Plan, algorithm: str, size: int, k: int, signature: native.Signature, stream: SparseStream,
-         operands: dict, exact: bool | None = None):
-    """The definition on this rank's dense ``stream``: (total, residual, bytes sent). Ok-Topk's
-    run-time ``operands`` (local_threshold, global_threshold, starts) are jax values."""
-    options = {} if exact is None else {"exact": exact}
+         operands: dict, **options):
+    """The definition on this rank's dense ``stream`` with its static ``options``: (total,
+    residual, bytes sent). Ok-Topk's run-time ``operands`` (local_threshold, global_threshold,
+    starts) are jax values."""
     if plan.transport == "native":
-        program = _program(plan, algorithm, size, k, exact)
+        program = _program(plan, algorithm, size, k, **options)
         words = None
         if operands:
             words = jnp.concatenate([jax.lax.bitcast_convert_type(jnp.stack([operands["local_threshold"],
@@ -237,9 +255,10 @@ def _run(plan: Plan, algorithm: str, size: int, k: int, signature: native.Signat
 
 
 @functools.lru_cache(maxsize=128)
-def _program(plan: Plan, algorithm: str, size: int, k: int, exact: bool | None = None) -> native.Program:
-    options = {} if exact is None else dict(exact=exact, local_threshold=native.Operand(0),
-                                            global_threshold=native.Operand(1), starts=native.Operand(2))
+def _program(plan: Plan, algorithm: str, size: int, k: int, **options) -> native.Program:
+    if "exact" in options:  # Ok-Topk's run-time operands, in the order _run packs them
+        options.update(local_threshold=native.Operand(0), global_threshold=native.Operand(1),
+                       starts=native.Operand(2))
     return native.record(definition(algorithm), rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta, size=size,
                          capacity=size, code=GLOBAL_TOPK_ALGORITHMS.index(algorithm), k=k, **options)
 

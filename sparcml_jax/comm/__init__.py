@@ -63,22 +63,26 @@ class Transport(Protocol[S]):
         """Rank r gets the sum of range r of every rank's stream (indices local to the range): a
         stream, or with ``dense`` the range's dense values."""
 
-    def allgather(self, part: S, *, dense: bool = False, quantize: Quantize | None = None) -> S:
+    def allgather(self, part: S, *, dense: bool = False, quantize: Quantize | None = None,
+                  width: int | None = None) -> S:
         """The concatenation of every rank's part of :meth:`reduce_scatter`: the whole vector as a
-        stream, or as dense values (``dense``), optionally QSGD-coded on the wire (``quantize``)."""
+        stream, or as dense values (``dense``), optionally QSGD-coded on the wire (``quantize``).
+        With ``width``, of the selected parts of this rank's team of ``width`` consecutive ranks
+        (range q of ``width`` ranges from the rank at position q)."""
 
     def allreduce(self, s: S) -> S:
         """The dense sum of every rank's stream (MPI_Allreduce)."""
 
-    def gather(self, s: S) -> S:
-        """The sum of every rank's whole stream, each sent to every rank."""
+    def gather(self, s: S, *, width: int | None = None) -> S:
+        """The sum of every rank's whole stream, each sent to every rank; with ``width``, of the
+        ranks at this rank's position in every team of ``width`` consecutive ranks."""
 
-    def split(self, s: S, *, fan_in: int = 1) -> list[S]:
-        """This rank's stream cut into the P ranges (indices local to each), each with room for the
-        sum of ``fan_in`` such segments."""
+    def split(self, s: S, *, fan_in: int = 1, parts: int | None = None) -> list[S]:
+        """This rank's stream cut into the P ranges (or ``parts`` ranges; indices local to each),
+        each with room for the sum of ``fan_in`` such segments."""
 
     def concat(self, segments: list[S]) -> S:
-        """This rank's segments over the P ranges, joined into one stream."""
+        """This rank's segments over ``len(segments)`` consecutive ranges, joined into one stream."""
 
     # The global top-k algorithms (SparDL, gTop-k, Ok-Topk) re-select inside the collective.
     # Ok-Topk's thresholds and region starts are run-time values, in the transport's own form.
@@ -109,6 +113,11 @@ class Transport(Protocol[S]):
     def select_owned(self, blocks: list[S], budgets: Sequence[int], *, threshold: Any = None) -> tuple[S, list[S]]:
         """(The top ``budgets[q]`` entries of this rank's own block q, as :meth:`select` takes
         them, as a part for :meth:`allgather`; the blocks with the rest left in the owned one.)"""
+
+    def reselect_across_teams(self, part: S, budgets: Sequence[int]) -> S:
+        """SparDL's Spar-All-Gather: the ranks at this rank's position q in every team of
+        ``len(budgets)`` ranks sum their parts (:meth:`gather`) and keep the top ``budgets[q]`` of
+        the sum, as :meth:`select` takes them, as a part for :meth:`allgather` in each team."""
 
     def residual(self, x: S, held: S, total: S) -> S:
         """SparDL's global residual collection: ``held`` where ``total`` is nonzero and ``x``

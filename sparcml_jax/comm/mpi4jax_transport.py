@@ -195,9 +195,10 @@ class Mpi4jaxTransport:
 
     # --------------------------------------------------------------------------- collectives
 
-    def _segments(self, s: SparseStream, slot: int) -> jax.Array:
-        """[P, header + 2 slot]: the pairs of each range, re-based to the range's start."""
-        parts = self.nprocs
+    def _segments(self, s: SparseStream, slot: int, parts: int | None = None) -> jax.Array:
+        """[parts, header + 2 slot]: the pairs of each of ``parts`` ranges (default P), re-based to
+        the range's start."""
+        parts = self.nprocs if parts is None else parts
         bounds = partition_bounds(s.size, parts).astype(np.int32)
         offsets = jnp.searchsorted(s.indices, jnp.asarray(bounds), side="left").astype(INDEX_DTYPE)
         offsets = jnp.minimum(offsets, s.nnz)
@@ -228,8 +229,41 @@ class Mpi4jaxTransport:
             return Part(None, _densify(part), s.capacity)
         return Part(part, None, s.capacity)
 
-    def allgather(self, part: Part, *, dense: bool = False, quantize: Quantize | None = None) -> SparseStream:
+    def _in_group(self, buf: jax.Array, members: list[int]) -> list[jax.Array]:
+        """Every member's ``buf`` (static shape), in the order of ``members`` (this rank among
+        them): a ring of sendrecvs, round d to the member d places on."""
+        g, i = len(members), members.index(self.rank)
+        out = [None] * g
+        out[i] = buf
+        for d in range(1, g):
+            out[(i - d) % g] = mpi4jax.sendrecv(buf, buf, members[(i - d) % g], members[(i + d) % g],
+                                                sendtag=_TAG, recvtag=_TAG, comm=self.comm)
+        return out
+
+    def _team(self, width: int) -> list[int]:
+        first = self.rank - self.rank % width
+        return list(range(first, first + width))
+
+    def _column(self, width: int) -> list[int]:
+        return list(range(self.rank % width, self.nprocs, width))
+
+    def allgather(self, part: Part, *, dense: bool = False, quantize: Quantize | None = None,
+                  width: int | None = None) -> SparseStream:
         p, n = self.nprocs, self.size
+        if width is not None and width < p:  # this rank's team of width ranks gathers its parts
+            slot, capacity = allgather_capacities(-1, part.slot, n, width, self.delta)
+            mine = resize(part.stream, slot)
+            buf = _pack(mine.indices, mine.values, mine.nnz)
+            streams = []
+            for q, got in enumerate(self._in_group(buf, self._team(width))):
+                idx, val, count = _unpack(got, slot)
+                valid = jnp.arange(slot) < count
+                streams.append(SparseStream(jnp.where(valid, idx + part_bounds(n, width, q)[0], n), val, count, n))
+            if width == 1:  # a merge with nothing applies the dense switch all the same
+                streams.append(SparseStream.empty(n, 0))
+            result = resize(merge_all(streams, delta=self.delta), capacity)
+            self._after(True, result.is_dense, 4 * buf.shape[0] * (width - 1))
+            return result
         if quantize is not None or dense:
             values = part.values if part.values is not None else _densify(part.stream)
             if quantize is not None:
@@ -289,8 +323,16 @@ class Mpi4jaxTransport:
         self._after(True, jnp.bool_(True), 2 * (p - 1) / p * 4 * s.size)
         return out
 
-    def gather(self, s: SparseStream) -> SparseStream:
+    def gather(self, s: SparseStream, *, width: int | None = None) -> SparseStream:
         p = self.nprocs
+        if width is not None and width < p:  # the ranks at this rank's position of every team
+            g, cap = p // width, s.capacity
+            buf = _pack(s.indices, s.values, s.nnz)
+            streams = [SparseStream(*_unpack(got, cap)[:2], _unpack(got, cap)[2], s.size)
+                       for got in self._in_group(buf, self._column(width))]
+            result = resize(merge_all(streams, delta=self.delta), grown_capacity(cap, s.size, g, self.delta))
+            self._after(True, result.is_dense, 4 * buf.shape[0] * (g - 1))
+            return result
         buf = _pack(s.indices, s.values, s.nnz)
         gathered = mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None]
         cap = s.capacity
@@ -303,10 +345,10 @@ class Mpi4jaxTransport:
 
     # --------------------------------------------------------------------------- local
 
-    def split(self, s: SparseStream, *, fan_in: int = 1) -> list[SparseStream]:
-        p = self.nprocs
+    def split(self, s: SparseStream, *, fan_in: int = 1, parts: int | None = None) -> list[SparseStream]:
+        p = self.nprocs if parts is None else parts
         slot = segment_slot(s.capacity, s.size, p)
-        rows = self._segments(self._checked(s), slot)
+        rows = self._segments(self._checked(s), slot, p)
         out = []
         for r, capacity in enumerate(segment_capacities(s.capacity, s.size, p, fan_in, self.delta)):
             idx, val, nnz = _unpack(rows[r], slot)
@@ -315,7 +357,7 @@ class Mpi4jaxTransport:
         return out
 
     def concat(self, segments: list[SparseStream]) -> SparseStream:
-        p, n = self.nprocs, self.size
+        p, n = len(segments), self.size
         streams = []
         for r, seg in enumerate(segments):
             valid = jnp.arange(seg.capacity) < seg.nnz
@@ -404,6 +446,11 @@ class Mpi4jaxTransport:
         # A block over the whole vector is a region of split_regions (or SparDL's only nonempty range,
         # which starts at 0 too): its indices need no re-basing.
         return Part(kept, None, -1, slot, regions=kept.size == self.size), out
+
+    def reselect_across_teams(self, part: Part, budgets: Sequence[int]) -> Part:
+        width = len(budgets)
+        kept, _ = self.select(self.gather(part.stream, width=width), budgets[self.rank % width])
+        return Part(kept, None, -1, part.slot)
 
     def residual(self, x: SparseStream, held: SparseStream, total: SparseStream) -> SparseStream:
         return dense_stream(jnp.where(_densify(total) != 0, _densify(held), _densify(x)))

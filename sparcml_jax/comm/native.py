@@ -140,7 +140,8 @@ class Recorder:
         self.emit(REDUCE_SCATTER, out.id, capacity, s.id, int(dense))
         return out
 
-    def allgather(self, part: Register, *, dense: bool = False, quantize: Quantize | None = None) -> Register:
+    def allgather(self, part: Register, *, dense: bool = False, quantize: Quantize | None = None,
+                  width: int | None = None) -> Register:
         n = self.size
         if quantize is not None:
             out = self._new(n, n)
@@ -150,10 +151,11 @@ class Recorder:
             out = self._new(n, n)
             self.emit(ALLGATHER, out.id, n, part.id, DENSE_SLICES)
         else:
-            _, capacity = allgather_capacities(part.source_capacity, part.slot, n, self.nprocs, self.delta)
+            parts = self.nprocs if width is None else width
+            _, capacity = allgather_capacities(part.source_capacity, part.slot, n, parts, self.delta)
             out = self._new(n, capacity)
             mode = REGION_PAIRS if part.regions else SELECTED_PAIRS if part.source_capacity < 0 else PAIRS
-            self.emit(ALLGATHER, out.id, out.capacity, part.id, mode)
+            self.emit(ALLGATHER, out.id, out.capacity, part.id, mode, 0 if width is None else width)
         return out
 
     def allreduce(self, s: Register) -> Register:
@@ -161,15 +163,17 @@ class Recorder:
         self.emit(ALLREDUCE, out.id, out.capacity, s.id)
         return out
 
-    def gather(self, s: Register) -> Register:
-        out = self._new(s.size, grown_capacity(s.capacity, s.size, self.nprocs, self.delta))
-        self.emit(GATHER, out.id, out.capacity, s.id)
+    def gather(self, s: Register, *, width: int | None = None) -> Register:
+        fan_in = self.nprocs if width is None else self.nprocs // width
+        out = self._new(s.size, grown_capacity(s.capacity, s.size, fan_in, self.delta))
+        self.emit(GATHER, out.id, out.capacity, s.id, 0 if width is None else width)
         return out
 
-    def split(self, s: Register, *, fan_in: int = 1) -> list[Register]:
-        capacities = segment_capacities(s.capacity, s.size, self.nprocs, fan_in, self.delta)
-        segments = [self._new(part_length(s.size, self.nprocs, r), c) for r, c in enumerate(capacities)]
-        self.emit(SPLIT, segments[0].id, s.capacity, s.id)
+    def split(self, s: Register, *, fan_in: int = 1, parts: int | None = None) -> list[Register]:
+        parts = self.nprocs if parts is None else parts
+        capacities = segment_capacities(s.capacity, s.size, parts, fan_in, self.delta)
+        segments = [self._new(part_length(s.size, parts, r), c) for r, c in enumerate(capacities)]
+        self.emit(SPLIT, segments[0].id, s.capacity, s.id, 0, parts)
         return segments
 
     def concat(self, segments: list[Register]) -> Register:
@@ -178,7 +182,7 @@ class Recorder:
         for seg, to in zip(segments, block):
             self.emit(MOVE, to.id, to.capacity, seg.id)
         out = self._new(self.size, concatenated_capacity([seg.capacity for seg in segments], self.size, self.delta))
-        self.emit(CONCAT, out.id, out.capacity, block[0].id)
+        self.emit(CONCAT, out.id, out.capacity, block[0].id, len(segments))
         return out
 
     def select(self, s: Register, k: int, *, threshold: Operand | None = None, **part: Any) -> tuple[Register, Register]:
@@ -223,6 +227,12 @@ class Recorder:
         part, out[own] = self.select(out[own], budgets[own], threshold=threshold, source_capacity=-1, slot=slot,
                                      regions=out[own].regions)
         return part, out
+
+    def reselect_across_teams(self, part: Register, budgets: Sequence[int]) -> Register:
+        width = len(budgets)
+        summed = self.gather(part, width=width)
+        kept, _ = self.select(summed, budgets[self.rank % width], source_capacity=-1, slot=part.slot)
+        return kept
 
     def residual(self, x: Register, held: Register, total: Register) -> Register:
         out = self._new(x.size, x.size)

@@ -131,7 +131,8 @@ class Simulated:
         return 4.0 * (2 + s.n) if compact else 8.0 + 8.0 * s.capacity
 
     def _concat(self, parts: Sequence[SimStream], capacity: int) -> SimStream:
-        n, p = self.size, self.nprocs
+        """Streams over the consecutive ranges of ``len(parts)`` (regions: over the whole vector)."""
+        n, p = self.size, len(parts)
         total = sum(part.count for part in parts)
         values = np.zeros(n, np.float32)
         idx = []
@@ -196,8 +197,21 @@ class Simulated:
             parts.append(acc)
         return parts
 
-    def allgather(self, part: Ranks, *, dense: bool = False, quantize: Quantize | None = None) -> Ranks:
+    def allgather(self, part: Ranks, *, dense: bool = False, quantize: Quantize | None = None,
+                  width: int | None = None) -> Ranks:
         n, p = self.size, self.nprocs
+        if width is not None and width < p:  # each team of width ranks gathers its own parts
+            out = [None] * p
+            for team in range(p // width):
+                members = list(range(team * width, (team + 1) * width))
+                travelling = [part[r] for r in members]
+                slot, capacity = allgather_capacities(-1, travelling[0].slot, n, width, self.delta)
+                for r in members:
+                    self.sent[r] += (width - 1) * (self._message(part[r]) if self.wire == "native" else 8.0 + 8.0 * slot)
+                whole = self._concat(travelling, capacity)
+                for r in members:
+                    out[r] = dataclasses.replace(whole)
+            return out
         if dense or quantize is not None:
             slot = longest_part(n, p)
             if quantize is None:
@@ -221,18 +235,25 @@ class Simulated:
         total = sum(x.to_dense() for x in s)
         return [SimStream(n, n, None, total.copy()) for _ in range(p)]
 
-    def gather(self, s: Ranks) -> Ranks:
+    def gather(self, s: Ranks, *, width: int | None = None) -> Ranks:
         p = self.nprocs
-        for r in range(p):
-            self.sent[r] += (p - 1) * (self._message(s[r]) if self.wire == "native" else 8.0 + 8.0 * s[r].capacity)
-        capacity = grown_capacity(s[0].capacity, s[0].n, p, self.delta)
-        total = dataclasses.replace(s[0], capacity=capacity)
-        for x in s[1:]:
-            total = self._add(total, x, capacity)
-        return [dataclasses.replace(total) for _ in range(p)]
+        # Every rank, or each column: the ranks at one position of every team.
+        columns = [list(range(p))] if width is None else [list(range(q, p, width)) for q in range(width)]
+        g = len(columns[0])
+        capacity = grown_capacity(s[0].capacity, s[0].n, g, self.delta)
+        out = [None] * p
+        for column in columns:
+            for r in column:
+                self.sent[r] += (g - 1) * (self._message(s[r]) if self.wire == "native" else 8.0 + 8.0 * s[r].capacity)
+            total = dataclasses.replace(s[column[0]], capacity=capacity)
+            for r in column[1:]:
+                total = self._add(total, s[r], capacity)
+            for r in column:
+                out[r] = dataclasses.replace(total)
+        return out
 
-    def split(self, s: Ranks, *, fan_in: int = 1) -> list[Ranks]:
-        n, p = self.size, self.nprocs
+    def split(self, s: Ranks, *, fan_in: int = 1, parts: int | None = None) -> list[Ranks]:
+        n, p = self.size, self.nprocs if parts is None else parts
         capacities = segment_capacities(s[0].capacity, n, p, fan_in, self.delta)
         segments = []
         for j in range(p):
@@ -303,6 +324,12 @@ class Simulated:
             kept, out[q][r] = _select(blocks[q][r], budgets[q], threshold)
             parts.append(dataclasses.replace(kept, source_capacity=-1, slot=slot, regions=blocks[q][r].regions))
         return parts, out
+
+    def reselect_across_teams(self, part: Ranks, budgets: Sequence[int]) -> Ranks:
+        width = len(budgets)
+        summed = self.gather(part, width=width)
+        return [dataclasses.replace(_select(x, budgets[r % width])[0], source_capacity=-1, slot=part[r].slot)
+                for r, x in enumerate(summed)]
 
     def residual(self, x: Ranks, held: Ranks, total: Ranks) -> Ranks:
         out = []

@@ -53,12 +53,12 @@ def accumulators(n: int, kind: str, seed: int) -> list[np.ndarray]:
 
 
 def simulated_bytes(algorithm: str, transport: str, xs: list[np.ndarray], k: int, state: dict | None = None,
-                    tau: int = 128, tau_prime: int = 64) -> float:
+                    tau: int = 128, tau_prime: int = 64, teams: int = 1) -> float:
     """Rank RANK's bytes as the simulated transport counts the definition's (Ok-Topk's: with
     the thresholds and starts of the reference's step, plus its balancing allreduce)."""
     n = xs[0].size
     t = Simulated(NPROCS, n, wire=transport)
-    options, balancing = {}, 0.0
+    options, balancing = ({"teams": teams} if teams > 1 else {}), 0.0
     if algorithm == "oktopk":
         state = initial_oktopk_state(NPROCS) if state is None else state
         exact = state["step"] % tau == 0
@@ -101,6 +101,37 @@ def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
         return failures
 
     run_and_agree(body, f"global top-k {algorithm}/{transport}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_spardl_in_teams_is_its_reference(transport):
+    """SparDL's Spar-All-Gather with every G > 1 that divides P: the reference's result and
+    residuals, exact books, at most k + P / G entries, and the definition's bytes."""
+    def body():
+        failures = []
+        for teams in [g for g in range(2, NPROCS + 1) if NPROCS % g == 0]:
+            for n, k in CASES:
+                for seed, kind in enumerate(KINDS):
+                    label = f"spardl teams={teams}/{transport} N={n} k={k} {kind}"
+                    xs = accumulators(n, kind, seed=100 * n + seed)
+                    total, residual, stats = global_topk_allreduce(jnp.asarray(xs[RANK]), k, teams=teams,
+                                                                   transport=transport, return_stats=True)
+                    want_total, _, want_residuals = spardl_reference(xs, k, teams)
+                    got = np.asarray(total.to_dense())
+                    if not np.array_equal(got, want_total) or not np.array_equal(np.asarray(residual),
+                                                                                 want_residuals[RANK]):
+                        failures.append(f"{label}: differs from the reference")
+                    if not np.array_equal(got + COMM.allreduce(np.asarray(residual), op=MPI.SUM), np.sum(xs, axis=0)):
+                        failures.append(f"{label}: total + residuals != inputs")
+                    if np.count_nonzero(got) > min(n, k + NPROCS // teams):
+                        failures.append(f"{label}: {np.count_nonzero(got)} entries, above k + P / G")
+                    want_sent = simulated_bytes("spardl", transport, xs, k, teams=teams)
+                    if float(stats.bytes_sent) != want_sent:
+                        failures.append(f"{label}: sent {float(stats.bytes_sent)} bytes, the definition says {want_sent}")
+                    failures += check_identical_on_all_ranks(total, label)
+        return failures
+
+    run_and_agree(body, f"spardl in teams ({transport})")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -203,6 +234,10 @@ def test_oktopk_state_errors_raise_on_every_rank(transport):
                             "a state for SparDL")
     expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="oktopk", tau=0, transport=transport),
                             "tau must be a static int >= 1", "tau = 0")
+    expect_error_everywhere(lambda: global_topk_allreduce(x, 8, teams=NPROCS + 1, transport=transport),
+                            "must divide the number of ranks", "teams that do not divide P")
+    expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="gtopk", teams=2, transport=transport),
+                            "teams is SparDL's", "teams for gTop-k")
     wrong = state._replace(starts=jnp.zeros((NPROCS + 1,), jnp.int32))
     expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="oktopk", oktopk_state=wrong,
                                                           transport=transport), "oktopk_state.starts must be",
