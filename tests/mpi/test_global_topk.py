@@ -105,13 +105,16 @@ def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_spardl_in_teams_is_its_reference(transport):
-    """SparDL's Spar-All-Gather with every G > 1 that divides P: the reference's result and
-    residuals, exact books, at most k + P / G entries, and the definition's bytes."""
+    """SparDL's Spar-All-Gather with the smallest and the largest G > 1 that divide P (the
+    simulated tests take every G): the reference's result and residuals, exact books, at most
+    k + P / G entries, and the definition's bytes."""
+    divisors = [g for g in range(2, NPROCS + 1) if NPROCS % g == 0]
+
     def body():
         failures = []
-        for teams in [g for g in range(2, NPROCS + 1) if NPROCS % g == 0]:
-            for n, k in CASES:
-                for seed, kind in enumerate(KINDS):
+        for teams in sorted({divisors[0], divisors[-1]}) if divisors else []:
+            for n, k in CASES[1:]:
+                for seed, kind in enumerate(KINDS[:2]):
                     label = f"spardl teams={teams}/{transport} N={n} k={k} {kind}"
                     xs = accumulators(n, kind, seed=100 * n + seed)
                     total, residual, stats = global_topk_allreduce(jnp.asarray(xs[RANK]), k, teams=teams,
