@@ -18,7 +18,7 @@ from mpi_spawn import run_pytest_under_mpirun
 MPI_TESTS = "tests/mpi"
 # Seconds: generous bounds for a 2-core machine, where compilation dominates (8 ranks compile
 # slowly); margin for load.
-TIMEOUTS = {1: 120, 2: 180, 3: 240, 4: 240, 5: 300, 8: 420}
+TIMEOUTS = {1: 120, 2: 240, 3: 300, 4: 300, 5: 360, 8: 600}
 
 
 @pytest.mark.parametrize("nprocs", sorted(TIMEOUTS))
