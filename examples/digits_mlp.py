@@ -6,9 +6,9 @@ its dense allgather phase. The same model is trained with a dense MPI_Allreduce 
 
     mpirun -n 4 python examples/digits_mlp.py
 
-With ``--algorithm spardl`` or ``gtopk`` the sum is a global top-k allreduce instead (SparDL,
-gTop-k): its result keeps 1 % of the entries whatever the number of ranks, and what it drops
-returns to the ranks' residuals (no QSGD).
+With ``--algorithm spardl``, ``oktopk`` or ``gtopk`` the sum is a global top-k allreduce instead
+(SparDL, Ok-Topk, gTop-k): its result keeps about 1 % of the entries whatever the number of
+ranks, and what it drops returns to the ranks' residuals (no QSGD).
 
     mpirun -n 4 python examples/digits_mlp.py --algorithm spardl
 """
@@ -104,7 +104,7 @@ def main(argv=None):
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--algorithm", default="dsar_split_allgather",
                         choices=[*sparcml_jax.ALGORITHMS, "auto", *sparcml_jax.GLOBAL_TOPK_ALGORITHMS],
-                        help="SparCML's sparse allreduce, or a global top-k one (spardl, gtopk)")
+                        help="SparCML's sparse allreduce, or a global top-k one (spardl, oktopk, gtopk)")
     parser.add_argument("--bits", type=int, default=4, help="QSGD bits on DSAR's dense phase (0: none)")
     parser.add_argument("--scale", default="max", choices=["max", "l2"])
     parser.add_argument("--seed", type=int, default=0)
