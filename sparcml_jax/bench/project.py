@@ -164,7 +164,8 @@ def _label(algorithm: str) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}" if seconds < 10 else f"{seconds * 1e3:.0f}"
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
 def table(rows: list[dict], *, wire: bool = False) -> str:
@@ -224,7 +225,7 @@ def plot(rows: list[dict], path: str) -> None:
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -260,12 +261,17 @@ def check(paths: Sequence[str], models: dict[int, CostModel] | None = None) -> l
 
 
 def check_table(rows: list[dict]) -> str:
-    out = ["| P | density | algorithm | transport | timed from | measured ms | predicted ms | predicted / measured |",
-           "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["network"], r["density"], r["P"], r["algorithm"], r["transport"])):
-        out.append(f"| {r['P']} | {r['density']:.1%} | {_label(r['algorithm'])} | {r['transport']} | "
-                   f"{r['timed_from']} | {r['measured'] * 1e3:.2f} | {r['predicted'] * 1e3:.2f} | "
-                   f"{r['predicted_over_measured']:.2f} |")
+    """Markdown: predicted / measured per algorithm (rows) and run (network, density, P)."""
+    runs = sorted({(r["network"], r["density"], r["P"]) for r in rows})
+    cases = sorted({(r["algorithm"], r["transport"], r["timed_from"]) for r in rows},
+                   key=lambda c: (not c[0].startswith("dense"), c[0] not in GLOBAL_TOPK_ALGORITHMS, c))
+    ratio = {(r["algorithm"], r["transport"], r["timed_from"], r["network"], r["density"], r["P"]):
+             r["predicted_over_measured"] for r in rows}
+    out = ["| algorithm | transport | from | " + " | ".join(f"{n} {d:.1%} P={p}" for n, d, p in runs) + " |",
+           "|---" * (len(runs) + 3) + "|"]
+    for case in cases:
+        cells = [f"{ratio[(*case, *run)]:.2f}" if (*case, *run) in ratio else "" for run in runs]
+        out.append(f"| {_label(case[0])} | {case[1]} | {case[2]} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
