@@ -255,7 +255,7 @@ def check(paths: Sequence[str], models: dict[int, CostModel] | None = None) -> l
         if predicted is None:
             continue
         out.append(dict(P=p, N=n, density=row["density"], network=row.get("network", "local"), algorithm=algorithm,
-                        transport=transport, timed_from=row.get("timed_from"), measured=row["median"],
+                        transport=row["transport"], timed_from=row.get("timed_from"), measured=row["median"],
                         predicted=predicted, predicted_over_measured=predicted / row["median"]))
     return out
 
