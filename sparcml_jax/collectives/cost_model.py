@@ -155,6 +155,7 @@ class CostModel:
         options = {}
         if algorithm == "oktopk":
             options = dict(local_threshold=CARRIED, global_threshold=CARRIED, starts=CARRIED, exact=False)
+            t.charge_passes(size)  # the step counts what its carried threshold selects in x (XLA)
         # The accumulator enters as a dense stream: XLA writes its indices 0..N-1.
         t.charge_passes(size)
         total, residual = definition(algorithm)(t, Estimate(size, size, 1, entries=size), k=k, **options)
@@ -473,6 +474,11 @@ class Pricing:
 
     # --------------------------------------------------------------------------- global top-k
 
+    def _fresh_dense(self, size: int) -> float:
+        """A fresh dense buffer of the native engine is zero-filled as it is allocated (a
+        std::vector): one more write per element before the copy into it."""
+        return 0.0 if self.static else size * self.model.element_cost
+
     def _known_dense(self, e: Estimate) -> bool:
         """A stream known to be a dense vector (a global top-k's accumulator and its blocks)."""
         return e.entries >= 0 and self.is_dense(e)
@@ -497,7 +503,7 @@ class Pricing:
         dense = self.is_dense(s)
         rest = dataclasses.replace(s, entries=s.size if dense else entries - take)
         rest_copy = 2 * s.size if dense else 4 * (entries - take)
-        self._seconds += reads + (2 * take + rest_copy) * m.element_cost
+        self._seconds += reads + (2 * take + rest_copy) * m.element_cost + (self._fresh_dense(s.size) if dense else 0.0)
         if self.static:
             self._stage_everywhere(6 * s.capacity)
         return kept, rest
@@ -512,6 +518,7 @@ class Pricing:
                 self._seconds += 3 * n * m.element_cost
             else:
                 self._seconds += 2 * n * m.element_cost + self.count(other) * m.pair_cost
+            self._seconds += self._fresh_dense(n)
             return dataclasses.replace(a, fan_in=min(a.fan_in + b.fan_in, self.nprocs), entries=float(n))
         entries = min(_union(self.count(a), self.count(b), n), a.capacity)
         out = dataclasses.replace(a, fan_in=min(a.fan_in + b.fan_in, self.nprocs), entries=entries)
@@ -574,7 +581,7 @@ class Pricing:
         the result's entries looked up (two random reads each). mpi4jax densifies all three."""
         m, n = self.model, x.size
         passes = 2 * n + (0 if self.is_dense(held) else 2 * n)
-        self._seconds += passes * m.element_cost + self.count(total) * m.pair_cost
+        self._seconds += passes * m.element_cost + self.count(total) * m.pair_cost + self._fresh_dense(n)
         if self.static:
             self._stage_everywhere(6 * n)
         return Estimate(n, n, self.nprocs, entries=float(n))
