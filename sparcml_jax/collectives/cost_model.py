@@ -543,7 +543,7 @@ class Pricing:
             self._seconds += self._send(self.wire(kept))
             if budgets is None:
                 target = out[into]
-                capacity = passed_capacity(target.capacity, kept.capacity, self.n, True, self.delta)
+                capacity = passed_capacity(target.capacity, kept.capacity, self.n, True)
                 entries = min(_union(self.count(target), self.count(kept), target.size), capacity)
                 self._seconds += (self.count(target) + self.count(kept)) * self.model.pair_cost
                 out[into] = dataclasses.replace(target, capacity=capacity, fan_in=min(target.fan_in + 1, self.nprocs),

@@ -331,7 +331,7 @@ def _balanced_starts(x: jax.Array, threshold: jax.Array, comm: MPI.Comm, signatu
     count = ranks[-1] if n else jnp.int32(0)
     i = jnp.arange(1, p, dtype=jnp.int32)
     sampled = jnp.searchsorted(ranks, (count // p) * i + 1, side="left").astype(jnp.int32)
-    even = (jnp.asarray(partition_bounds(n, p)[1:-1], jnp.int32))
+    even = jnp.asarray(partition_bounds(n, p)[1:-1], jnp.int32)
     sample = jnp.where(count >= p, sampled, even)  # too few to sample: the even split
     agreed = native.agree(dense_stream(sample.astype(jnp.float32)), comm=comm, signature=signature)
     parts = jnp.where(agreed < 0, 0, jnp.concatenate([sample // p, sample % p]))  # (never: it orders them)

@@ -431,7 +431,7 @@ class Mpi4jaxTransport:
                 arriving = selected_capacity(budgets[into], out[into].capacity, out[into].size)
             target = out[into]
             got, sent = self._transfer(kept, dest, source, target.size, arriving)
-            capacity = passed_capacity(target.capacity, arriving, target.size, budgets is None, self.delta)
+            capacity = passed_capacity(target.capacity, arriving, target.size, budgets is None)
             # An Ok-Topk region stays pairs: its entries lie in a sub-range (delta 4: never dense).
             out[into] = merge(target, got, delta=4.0 if budgets is None else self.delta, capacity=capacity)
             self._after(True, out[into].is_dense, sent)

@@ -211,7 +211,7 @@ class Recorder:
             else:
                 kept, out[send] = self.select(out[send], budgets[send])
             target = out[into]
-            capacity = passed_capacity(target.capacity, kept.capacity, target.size, budgets is None, self.delta)
+            capacity = passed_capacity(target.capacity, kept.capacity, target.size, budgets is None)
             out[into] = self._new(target.size, capacity, regions=target.regions)
             self.emit(EXCHANGE, out[into].id, capacity, kept.id, target.id, dest, source,
                       COMBINE["add"] | (PAIRS_ONLY if target.regions else 0))

@@ -308,7 +308,7 @@ class Simulated:
                 arriving.append((send, dest, kept))
         for b, dest, kept in arriving:
             target = out[b][dest]
-            capacity = passed_capacity(target.capacity, kept.capacity, target.n, budgets is None, self.delta)
+            capacity = passed_capacity(target.capacity, kept.capacity, target.n, budgets is None)
             out[b][dest] = dataclasses.replace(self._add(target, kept, capacity, pairs_only=target.regions),
                                                regions=target.regions)
         return out

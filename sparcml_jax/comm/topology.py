@@ -137,7 +137,7 @@ def tree_rounds(nprocs: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
-def passed_capacity(capacity: int, sent: int, size: int, whole: bool, delta: float) -> int:
+def passed_capacity(capacity: int, sent: int, size: int, whole: bool) -> int:
     """Capacity of a block after a Spar-Reduce-Scatter round adds a block of ``sent`` slots into
     it: its own when the sender re-selected to the block's budget (SparDL), the sum of both when
     the sender handed a whole region over (Ok-Topk; a region stays pairs: its entries lie in a
