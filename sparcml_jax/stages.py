@@ -72,6 +72,7 @@ from mpi4py import MPI
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.global_topk import OktopkState, global_topk_allreduce, init_oktopk_state
+from sparcml_jax.collectives.global_topk import check_options as check_global_topk_options
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.comm import check_transport, resolve_comm
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
@@ -444,7 +445,8 @@ class GlobalTopkState(NamedTuple):
 def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, algorithm: str = "spardl",
                        density: float | None = None, k: int | None = None, error_feedback: bool = True,
                        transport: str = "native", comm: MPI.Comm | None = None, average: bool = True,
-                       delta: float = 1.0, warmup_steps: int | jax.Array = 0) -> optax.GradientTransformation:
+                       delta: float = 1.0, warmup_steps: int | jax.Array = 0, teams: int = 1,
+                       tau: int = 128, tau_prime: int = 64) -> optax.GradientTransformation:
     r"""Error feedback around a global top-k allreduce (SparDL, Ok-Topk, gTop-k), in one stage.
 
     Rank :math:`r` forms :math:`a_r = g_r + e_r` (gradient plus residual), packs it with
@@ -479,6 +481,10 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       average: divide the sum by the number of ranks.
       warmup_steps: for the first steps every buffer is summed dense and nothing is held back.
+      teams: SparDL's teams G (must divide the number of ranks), passed to
+        :func:`sparcml_jax.global_topk_allreduce`.
+      tau, tau_prime: Ok-Topk's intervals, in steps, of exact thresholds and of re-balanced
+        regions, passed to :func:`sparcml_jax.global_topk_allreduce`.
 
     Example (one process: the result is this rank's top k, the rest its residual):
       >>> import jax.numpy as jnp, optax
@@ -498,8 +504,10 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         raise ValueError(f"algorithm={algorithm!r} needs density or k (the size of the global result)")
     check_transport(transport)
     check_warmup(warmup_steps)
+    check_global_topk_options(algorithm, teams, tau, tau_prime)
     code = len(ALGORITHMS) + GLOBAL_TOPK_ALGORITHMS.index(algorithm)
     options = dict(algorithm=algorithm, transport=transport, delta=delta)
+    collective_options = dict(options, teams=teams, tau=tau, tau_prime=tau_prime)
 
     def pack(tree, inner_state, params=None):
         return (tree, inner_state) if inner is None else inner.update(tree, inner_state, params)
@@ -529,7 +537,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
         dense, fused, given = _buffers(packed)
         warming = warming_up(state.count, warmup_steps)
-        summed = [_global_topk_sum(x, kb, carried, warming, the_comm, options, code)
+        summed = [_global_topk_sum(x, kb, carried, warming, the_comm, collective_options, code)
                   for x, kb, carried in zip(fused, budgets(fused), state.oktopk or [None] * len(fused))]
         exact = [_reduce_one(s, None, None, the_comm, dict(options, algorithm="auto")) for s in given]
         out_fused = [_averaged(total, nprocs, average) for total, *_ in summed]

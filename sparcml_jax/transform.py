@@ -218,6 +218,9 @@ def allreduce_gradients(
     cost_model: CostModel | None = None,
     capacity: int | None = None,
     buckets: int | None = None,
+    teams: int | None = None,
+    tau: int | None = None,
+    tau_prime: int | None = None,
 ) -> optax.GradientTransformation:
     """Sums (or averages) gradients across the ranks of ``comm`` with sparse, quantized messages.
 
@@ -268,11 +271,16 @@ def allreduce_gradients(
         train step with ``jax.jit(..., compiler_options=sparcml_jax.OVERLAP_COMPILER_OPTIONS)``
         so that XLA:CPU starts each bucket during the backward pass. Native transport, no
         ``capacity``.
+      teams: ``algorithm="spardl"`` only: SparDL's teams G, a divisor of the number of ranks
+        (default 1, the plain allgather); see :func:`sparcml_jax.global_topk_allreduce`.
+      tau, tau_prime: ``algorithm="oktopk"`` only: steps between exact thresholds (default 128)
+        and between re-balanced regions (default 64).
 
     Numeric arguments left at ``None`` take their defaults, so ``optax.inject_hyperparams`` only
     injects what you pass; arguments that decide buffer shapes (``density``, ``k``,
-    ``quantize_bits``, ``min_size``, ``delta``, ``bucket_size``, ``capacity``) must then be
-    listed in its ``static_args``. ``warmup_steps`` may be injected (and scheduled).
+    ``quantize_bits``, ``min_size``, ``delta``, ``bucket_size``, ``capacity``, ``teams``, ``tau``,
+    ``tau_prime``) must then be listed in its ``static_args``. ``warmup_steps`` may be injected
+    (and scheduled).
 
     Example (also runs as a single process, where it is the identity):
       >>> import jax, jax.numpy as jnp, optax
@@ -302,6 +310,12 @@ def allreduce_gradients(
         raise ValueError(f"capacity bounds the exact mode (density=None, k=None); got capacity={capacity!r}")
     if not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative int, got {min_size!r}")
+    teams, tau, tau_prime = (_static(v, name) for v, name in ((teams, "teams"), (tau, "tau"),
+                                                                (tau_prime, "tau_prime")))
+    for name, value, owner in (("teams", teams, "spardl"), ("tau", tau, "oktopk"), ("tau_prime", tau_prime, "oktopk")):
+        if value is not None and algorithm != owner:
+            raise ValueError(f"{name} is a keyword of algorithm={owner!r}, not of algorithm={algorithm!r}: drop {name} "
+                             f"or pass algorithm={owner!r}")
     if algorithm in GLOBAL_TOPK_ALGORITHMS:
         _check_global_topk(algorithm, exact=exact, sparsifier=sparsifier, quantize_bits=quantize_bits,
                            bucket_size=bucket_size, quantize_scale=quantize_scale, cost_model=cost_model,
@@ -309,7 +323,9 @@ def allreduce_gradients(
         return _with_param_checks(optax.chain(global_topk_reduce(
             fuse_leaves(min_size=min_size, fuse=fuse), algorithm=algorithm, density=density, k=k,
             error_feedback=error_feedback, transport=transport, comm=comm, average=average,
-            delta=1.0 if delta is None else _static(delta, "delta"), warmup_steps=warmup_steps), densify()))
+            delta=1.0 if delta is None else _static(delta, "delta"), warmup_steps=warmup_steps,
+            teams=1 if teams is None else teams, tau=128 if tau is None else tau,
+            tau_prime=64 if tau_prime is None else tau_prime), densify()))
     if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
         raise ValueError(f"buckets must be a positive int or None, got {buckets!r}")
     if buckets is not None and (transport != "native" or capacity is not None):

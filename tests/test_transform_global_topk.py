@@ -190,6 +190,43 @@ def test_arguments_without_use_are_rejected_by_name(kwargs, match):
         allreduce_gradients(**{"density": 0.01, "algorithm": "spardl", **kwargs})
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(algorithm="gtopk", teams=2), "teams is a keyword of algorithm='spardl'"),
+    (dict(algorithm="auto", teams=1), "teams is a keyword of algorithm='spardl'"),
+    (dict(algorithm="spardl", tau=4), "tau is a keyword of algorithm='oktopk'"),
+    (dict(algorithm="ssar_recursive_doubling", tau_prime=4), "tau_prime is a keyword of algorithm='oktopk'"),
+    (dict(algorithm="spardl", teams=0), "teams must be a static int >= 1"),
+    (dict(algorithm="oktopk", tau=0), "tau must be a static int >= 1"),
+    (dict(algorithm="oktopk", tau_prime=2.5), "tau_prime must be a static int >= 1"),
+])
+def test_algorithm_keywords_belong_to_their_algorithm(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        allreduce_gradients(density=0.01, **kwargs)
+
+
+def test_oktopk_intervals_reach_the_collective():
+    """With tau=1 every step evaluates its thresholds exactly: it sends the top k of gradient plus
+    residual, and its global threshold is their k-th magnitude. With the default tau=128 the
+    later steps move the thresholds by Ok-Topk's factors instead."""
+    params = {"w": jnp.zeros(3000)}
+    rng = np.random.default_rng(9)
+    grads = [{"w": jnp.asarray(rng.standard_normal(3000).astype(np.float32))} for _ in range(3)]
+    final = {}
+    for tau in (1, 128):
+        tx = allreduce_gradients(k=30, algorithm="oktopk", tau=tau, tau_prime=tau)
+        state, update = tx.init(params), jax.jit(tx.update)
+        for g in grads:
+            accumulated = np.asarray(g["w"] + tree_get(state, "residual")["w"])
+            sent, state = update(g, state)
+            kth = np.sort(np.abs(accumulated))[-30]
+            if tau == 1:
+                np.testing.assert_array_equal(np.nonzero(np.asarray(sent["w"]))[0],
+                                              np.sort(np.argsort(-np.abs(accumulated))[:30]))
+                assert float(tree_get(state, "oktopk")[0].global_threshold) == kth
+        final[tau] = float(tree_get(state, "oktopk")[0].global_threshold), kth
+    assert final[128][0] != final[128][1]  # moved, not re-evaluated
+
+
 def test_unknown_algorithm_names_both_families():
     with pytest.raises(ValueError, match="spardl"):
         allreduce_gradients(density=0.01, algorithm="sparDL")

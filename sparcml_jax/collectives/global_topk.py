@@ -158,8 +158,9 @@ def global_topk_allreduce(
     comm = resolve_comm(comm)
     try:
         plan, size, k = _check(comm, x, k, algorithm, transport, delta)
-        _check_oktopk(comm, algorithm, oktopk_state, tau, tau_prime)
-        _check_teams(comm, algorithm, teams)
+        check_options(algorithm, teams, tau, tau_prime)
+        _check_oktopk(comm, algorithm, oktopk_state)
+        _check_teams(comm, teams)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     if algorithm != "oktopk":
@@ -190,10 +191,19 @@ def _check(comm: MPI.Comm, x, k, algorithm: str, transport: str, delta: float) -
     return Plan(comm, transport, float(delta)), size, int(k)
 
 
-def _check_oktopk(comm: MPI.Comm, algorithm: str, state, tau, tau_prime) -> None:
+def check_options(algorithm: str, teams, tau, tau_prime) -> None:
+    """Raises for a ``teams``, ``tau`` or ``tau_prime`` that no number of ranks accepts."""
     for name, value in (("tau", tau), ("tau_prime", tau_prime)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a static int >= 1 (steps between Ok-Topk's re-evaluations), got {value!r}")
+    if isinstance(teams, bool) or not isinstance(teams, (int, np.integer)) or teams < 1:
+        raise ValueError(f"teams must be a static int >= 1 (SparDL's teams), got {teams!r}")
+    if teams > 1 and algorithm != "spardl":
+        raise ValueError(f"teams is SparDL's Spar-All-Gather; algorithm={algorithm!r} has none: drop teams or pass "
+                         "algorithm='spardl'")
+
+
+def _check_oktopk(comm: MPI.Comm, algorithm: str, state) -> None:
     if state is None:
         return
     if algorithm != "oktopk":
@@ -208,12 +218,7 @@ def _check_oktopk(comm: MPI.Comm, algorithm: str, state, tau, tau_prime) -> None
                              f"got {jnp.result_type(got)}{list(jnp.shape(got))}; start from init_oktopk_state(comm)")
 
 
-def _check_teams(comm: MPI.Comm, algorithm: str, teams) -> None:
-    if isinstance(teams, bool) or not isinstance(teams, (int, np.integer)) or teams < 1:
-        raise ValueError(f"teams must be a static int >= 1 (SparDL's teams), got {teams!r}")
-    if teams > 1 and algorithm != "spardl":
-        raise ValueError(f"teams is SparDL's Spar-All-Gather; algorithm={algorithm!r} has none: drop teams or pass "
-                         "algorithm='spardl'")
+def _check_teams(comm: MPI.Comm, teams: int) -> None:
     if comm.Get_size() % teams:
         raise ValueError(f"teams={teams} must divide the number of ranks ({comm.Get_size()}), e.g. teams=1")
 

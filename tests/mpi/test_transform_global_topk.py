@@ -80,3 +80,23 @@ def test_books_balance_across_ranks(algorithm, average):
         return failures
 
     run_and_agree(check, f"books ({algorithm})")
+
+
+def test_teams_and_intervals_reach_the_collective():
+    """allreduce_gradients(teams=G, ...) sums what global_topk_allreduce(..., teams=G) sums, at the
+    largest divisor G of P (SparDL's Spar-All-Gather); Ok-Topk's tau and tau_prime likewise."""
+
+    def check():
+        failures = []
+        teams = max([1] + [g for g in range(2, COMM.size) if COMM.size % g == 0])
+        params = {"v": jnp.zeros(3000)}
+        grads = {"v": _grads(7)["v"]}
+        for algorithm, options in (("spardl", dict(teams=teams)), ("oktopk", dict(tau=1, tau_prime=1))):
+            tx = sparcml_jax.allreduce_gradients(k=40, algorithm=algorithm, average=False, **options)
+            out, _ = jax.jit(tx.update)(grads, tx.init(params))
+            total, _ = sparcml_jax.global_topk_allreduce(grads["v"], 40, algorithm=algorithm, **options)
+            if not np.array_equal(np.asarray(out["v"]), np.asarray(total.to_dense())):
+                failures.append(f"{algorithm} {options}: the transform's sum differs from the collective's")
+        return failures
+
+    run_and_agree(check, "teams and intervals")
