@@ -6,17 +6,20 @@
   two chains order each call only against its own kind and deadlock when mixed (see design.md).
 - ``default_comm``: mpi4jax's default communicator (a clone of COMM_WORLD).
 - the runtime tokens of ordered effects, which keep a failed program's error until cleared.
+- ``varying_axes``: the ``shard_map`` mesh axes a value varies over (``aval.mat.varying`` from
+  JAX 0.10, ``aval.vma`` before).
 """
 
 from __future__ import annotations
 
+import jax
 from jax._src.core import abstract_token
 from jax._src.dispatch import apply_primitive, runtime_tokens
 from mpi4jax._src.utils import get_default_comm as default_comm
 from mpi4jax._src.utils import ordered_effect
 
 __all__ = ["abstract_token", "apply_primitive", "clear_runtime_tokens", "default_comm", "ordered_effect",
-           "runtime_token_values"]
+           "runtime_token_values", "varying_axes"]
 
 
 def clear_runtime_tokens() -> None:
@@ -27,3 +30,10 @@ def clear_runtime_tokens() -> None:
 def runtime_token_values() -> list:
     """The runtime tokens JAX holds now (a failed program's token raises when blocked on)."""
     return list(runtime_tokens.current_tokens.values()) + list(runtime_tokens.output_runtime_tokens.values())
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (none outside it)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))

@@ -8,12 +8,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream
 
 
 def on_cpu_or_reference(ffi_impl: Callable[..., Any], reference: Callable[..., Any], *args: Any) -> Any:
-    """Runs the C kernel on CPU and the pure-jnp reference on every other platform."""
-    return jax.lax.platform_dependent(*args, cpu=ffi_impl, default=reference)
+    """Runs the C kernel on CPU and the pure-jnp reference on every other platform.
+
+    Inside ``shard_map`` both branches must return the same types, including the mesh axes a
+    value varies over, and an FFI call takes inputs that vary over the same axes and returns
+    results that vary over none. Inputs and results are therefore made to vary over every axis
+    any input varies over.
+    """
+    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
+    if not axes:
+        return jax.lax.platform_dependent(*args, cpu=ffi_impl, default=reference)
+    args = _vary(args, axes)
+    return jax.lax.platform_dependent(*args, cpu=lambda *a: _vary(ffi_impl(*a), axes),
+                                      default=lambda *a: _vary(reference(*a), axes))
+
+
+def _vary(tree: Any, axes: frozenset) -> Any:
+    def vary(leaf: jax.Array) -> jax.Array:
+        missing = tuple(sorted(axes - varying_axes(leaf)))
+        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+    return jax.tree.map(vary, tree)
 
 
 def check_vector(x: Any, name: str, dtype=VALUE_DTYPE) -> jax.Array:
