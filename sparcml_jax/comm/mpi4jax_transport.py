@@ -17,61 +17,28 @@ rank; everything else follows a message, which comes after the agreement on the 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import mpi4jax
-import numpy as np
 from mpi4py import MPI
 
 from sparcml_jax.comm import Combine, Quantize
-from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
-                                       exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
-                                       part_capacity, part_length, passed_capacity, peers_of, ring_segments,
-                                       segment_capacities, segment_slot, selected_capacity)
+from sparcml_jax.comm.static_buffers import HEADER, Part, StaticBuffers, densify, header, pack, unpack
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, exchange_capacity,
+                                       grown_capacity, longest_part, owned_slot, part_bounds, part_capacity,
+                                       part_length, passed_capacity, peers_of, ring_segments, segment_slot,
+                                       selected_capacity)
 from sparcml_jax.kernels.merge import merge, merge_all
-from sparcml_jax.kernels.partition import partition_bounds, scatter_add
-from sparcml_jax.kernels.topk import topk
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
 
 NAME = "mpi4jax"
 _TAG = 0x5CB0
 _INDICES_TAG, _VALUES_TAG = 0x20, 0x40  # added to an exchange's tag for its indices and values
-_HEADER = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """This rank's range of a reduce-scatter: a stream (local indices), or dense ``values``."""
-
-    stream: SparseStream | None
-    values: jax.Array | None
-    source_capacity: int
-    slot: int = -1  # a selected part (source_capacity -1): the pairs every rank's part has room for
-    regions: bool = False  # a part of run-time regions: its indices are over the whole vector
-
-
-def _header(nnz) -> jax.Array:
-    return jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.zeros((), INDEX_DTYPE)])
-
-
-def _pack(idx: jax.Array, val: jax.Array, nnz) -> jax.Array:
-    return jnp.concatenate([_header(nnz), idx, jax.lax.bitcast_convert_type(val, INDEX_DTYPE)])
-
-
-def _unpack(buf: jax.Array, capacity: int):
-    idx = buf[_HEADER:_HEADER + capacity]
-    val = jax.lax.bitcast_convert_type(buf[_HEADER + capacity:], VALUE_DTYPE)
-    return idx, val, buf[0]
-
-
-def _densify(s: SparseStream) -> jax.Array:
-    return scatter_add(s, jnp.zeros((s.size,), VALUE_DTYPE))
-
-
-class Mpi4jaxTransport:
+class Mpi4jaxTransport(StaticBuffers):
     """The mpi4jax :class:`~sparcml_jax.comm.Transport` of one rank; counts the bytes it sends."""
 
     name = NAME
@@ -117,16 +84,16 @@ class Mpi4jaxTransport:
         if dest >= 0 and self._compact(s.size, s.capacity):
             sends = [(self._pack_compact(self._checked(s)), _TAG)]
         elif dest >= 0:
-            sends = [(_header(s.nnz), _TAG), (s.indices, _TAG + _INDICES_TAG), (s.values, _TAG + _VALUES_TAG)]
+            sends = [(header(s.nnz), _TAG), (s.indices, _TAG + _INDICES_TAG), (s.values, _TAG + _VALUES_TAG)]
         else:
             sends = []
         compact = self._compact(recv_size, recv_capacity)
         if source < 0:
             templates = []
         elif compact:
-            templates = [(jnp.zeros((_HEADER + recv_size,), INDEX_DTYPE), _TAG)]
+            templates = [(jnp.zeros((HEADER + recv_size,), INDEX_DTYPE), _TAG)]
         else:
-            templates = [(jnp.zeros((_HEADER,), INDEX_DTYPE), _TAG),
+            templates = [(jnp.zeros((HEADER,), INDEX_DTYPE), _TAG),
                          (jnp.zeros((recv_capacity,), INDEX_DTYPE), _TAG + _INDICES_TAG),
                          (jnp.zeros((recv_capacity,), VALUE_DTYPE), _TAG + _VALUES_TAG)]
         received = []
@@ -144,8 +111,8 @@ class Mpi4jaxTransport:
             return None, sent
         if compact:
             return self._unpack_compact(received[0], recv_size, recv_capacity), sent
-        header, indices, values = received
-        return SparseStream(indices, values, header[0], recv_size), sent
+        counts, indices, values = received
+        return SparseStream(indices, values, counts[0], recv_size), sent
 
     def _pack_compact(self, s: SparseStream) -> jax.Array:
         """[nnz, 0, n slots]: the dense values when nnz reaches the threshold, else the pairs."""
@@ -153,15 +120,15 @@ class Mpi4jaxTransport:
         go_dense = s.nnz >= dense_threshold(n, self.delta)
         pairs = jnp.concatenate([s.indices[:half], jax.lax.bitcast_convert_type(s.values[:half], INDEX_DTYPE),
                                  jnp.zeros((n - 2 * half,), INDEX_DTYPE)])
-        dense = jax.lax.bitcast_convert_type(_densify(s), INDEX_DTYPE)
+        dense = jax.lax.bitcast_convert_type(densify(s), INDEX_DTYPE)
         body = jax.lax.cond(go_dense, lambda: dense, lambda: pairs)
         nnz = jnp.where(go_dense, n, s.nnz).astype(INDEX_DTYPE)
-        return jnp.concatenate([_header(nnz), body])
+        return jnp.concatenate([header(nnz), body])
 
     @staticmethod
     def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> SparseStream:
         half = n // 2
-        nnz, body = buf[0], buf[_HEADER:]
+        nnz, body = buf[0], buf[HEADER:]
         dense = resize(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
         pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
                        capacity)
@@ -195,23 +162,6 @@ class Mpi4jaxTransport:
 
     # --------------------------------------------------------------------------- collectives
 
-    def _segments(self, s: SparseStream, slot: int, parts: int | None = None) -> jax.Array:
-        """[parts, header + 2 slot]: the pairs of each of ``parts`` ranges (default P), re-based to
-        the range's start."""
-        parts = self.nprocs if parts is None else parts
-        bounds = partition_bounds(s.size, parts).astype(np.int32)
-        offsets = jnp.searchsorted(s.indices, jnp.asarray(bounds), side="left").astype(INDEX_DTYPE)
-        offsets = jnp.minimum(offsets, s.nnz)
-        padded = resize(s, s.capacity + slot)
-        rows = []
-        for r in range(parts):
-            count = offsets[r + 1] - offsets[r]
-            idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,)) - bounds[r]
-            val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
-            valid = jnp.arange(slot) < count
-            rows.append(_pack(jnp.where(valid, idx, part_length(s.size, parts, r)), jnp.where(valid, val, 0.0), count))
-        return jnp.stack(rows)
-
     def reduce_scatter(self, s: SparseStream, *, dense: bool = False) -> Part:
         p, r = self.nprocs, self.rank
         slot = segment_slot(s.capacity, s.size, p)
@@ -220,13 +170,13 @@ class Mpi4jaxTransport:
         length = part_length(s.size, p, r)
         acc = None
         for q in range(p):
-            idx, val, nnz = _unpack(received[q], slot)
+            idx, val, nnz = unpack(received[q], slot)
             seg = SparseStream(idx, val, nnz, length)
             acc = seg if acc is None else merge(acc, seg, delta=self.delta)
         part = resize(acc, part_capacity(s.capacity, s.size, p, r, self.delta))
         self._after(True, jnp.bool_(True) if dense else part.is_dense, 4 * sendbuf.shape[1] * (p - 1))
         if dense:
-            return Part(None, _densify(part), s.capacity)
+            return Part(None, densify(part), s.capacity)
         return Part(part, None, s.capacity)
 
     def _in_group(self, buf: jax.Array, members: list[int]) -> list[jax.Array]:
@@ -253,10 +203,10 @@ class Mpi4jaxTransport:
         if width is not None and width < p:  # this rank's team of width ranks gathers its parts
             slot, capacity = allgather_capacities(-1, part.slot, n, width, self.delta)
             mine = resize(part.stream, slot)
-            buf = _pack(mine.indices, mine.values, mine.nnz)
+            buf = pack(mine.indices, mine.values, mine.nnz)
             streams = []
             for q, got in enumerate(self._in_group(buf, self._team(width))):
-                idx, val, count = _unpack(got, slot)
+                idx, val, count = unpack(got, slot)
                 valid = jnp.arange(slot) < count
                 streams.append(SparseStream(jnp.where(valid, idx + part_bounds(n, width, q)[0], n), val, count, n))
             if width == 1:  # a merge with nothing applies the dense switch all the same
@@ -265,7 +215,7 @@ class Mpi4jaxTransport:
             self._after(True, result.is_dense, 4 * buf.shape[0] * (width - 1))
             return result
         if quantize is not None or dense:
-            values = part.values if part.values is not None else _densify(part.stream)
+            values = part.values if part.values is not None else densify(part.stream)
             if quantize is not None:
                 result, sent = self._quantized_allgather(values, quantize)
             else:
@@ -278,11 +228,11 @@ class Mpi4jaxTransport:
             return dense_stream(result)
         slot, capacity = allgather_capacities(part.source_capacity, part.slot, n, p, self.delta)
         mine = resize(part.stream, slot)
-        buf = _pack(mine.indices, mine.values, mine.nnz)
+        buf = pack(mine.indices, mine.values, mine.nnz)
         gathered = mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None]
         streams = []
         for q in range(p):  # each part re-based to global indices, its padding to n
-            idx, val, count = _unpack(gathered[q], slot)
+            idx, val, count = unpack(gathered[q], slot)
             valid = jnp.arange(slot) < count
             start = 0 if part.regions else part_bounds(n, p, q)[0]
             streams.append(SparseStream(jnp.where(valid, idx + start, n), val, count, n))
@@ -318,7 +268,7 @@ class Mpi4jaxTransport:
 
     def allreduce(self, s: SparseStream) -> SparseStream:
         p = self.nprocs
-        out = dense_stream(mpi4jax.allreduce(_densify(self._checked(s)), op=MPI.SUM, comm=self.comm))
+        out = dense_stream(mpi4jax.allreduce(densify(self._checked(s)), op=MPI.SUM, comm=self.comm))
         # Volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.
         self._after(True, jnp.bool_(True), 2 * (p - 1) / p * 4 * s.size)
         return out
@@ -327,96 +277,23 @@ class Mpi4jaxTransport:
         p = self.nprocs
         if width is not None and width < p:  # the ranks at this rank's position of every team
             g, cap = p // width, s.capacity
-            buf = _pack(s.indices, s.values, s.nnz)
-            streams = [SparseStream(*_unpack(got, cap)[:2], _unpack(got, cap)[2], s.size)
+            buf = pack(s.indices, s.values, s.nnz)
+            streams = [SparseStream(*unpack(got, cap)[:2], unpack(got, cap)[2], s.size)
                        for got in self._in_group(buf, self._column(width))]
             result = resize(merge_all(streams, delta=self.delta), grown_capacity(cap, s.size, g, self.delta))
             self._after(True, result.is_dense, 4 * buf.shape[0] * (g - 1))
             return result
-        buf = _pack(s.indices, s.values, s.nnz)
+        buf = pack(s.indices, s.values, s.nnz)
         gathered = mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None]
         cap = s.capacity
-        streams = [SparseStream(gathered[q, _HEADER:_HEADER + cap],
-                                jax.lax.bitcast_convert_type(gathered[q, _HEADER + cap:], VALUE_DTYPE),
+        streams = [SparseStream(gathered[q, HEADER:HEADER + cap],
+                                jax.lax.bitcast_convert_type(gathered[q, HEADER + cap:], VALUE_DTYPE),
                                 gathered[q, 0], s.size) for q in range(p)]
         result = resize(merge_all(streams, delta=self.delta), grown_capacity(cap, s.size, p, self.delta))
         self._after(True, result.is_dense, 4 * buf.shape[0] * (p - 1))
         return result
 
-    # --------------------------------------------------------------------------- local
-
-    def split(self, s: SparseStream, *, fan_in: int = 1, parts: int | None = None) -> list[SparseStream]:
-        p = self.nprocs if parts is None else parts
-        slot = segment_slot(s.capacity, s.size, p)
-        rows = self._segments(self._checked(s), slot, p)
-        out = []
-        for r, capacity in enumerate(segment_capacities(s.capacity, s.size, p, fan_in, self.delta)):
-            idx, val, nnz = _unpack(rows[r], slot)
-            seg = resize(SparseStream(idx, val, nnz, part_length(s.size, p, r)), capacity)
-            out.append(merge(seg, SparseStream.empty(seg.size, 0), delta=self.delta, capacity=capacity))
-        return out
-
-    def concat(self, segments: list[SparseStream]) -> SparseStream:
-        p, n = len(segments), self.size
-        streams = []
-        for r, seg in enumerate(segments):
-            valid = jnp.arange(seg.capacity) < seg.nnz
-            streams.append(SparseStream(jnp.where(valid, seg.indices + part_bounds(n, p, r)[0], n), seg.values,
-                                        seg.nnz, n))
-        if p == 1:
-            streams.append(SparseStream.empty(n, 0))
-        capacity = concatenated_capacity([seg.capacity for seg in segments], n, self.delta)
-        return resize(merge_all(streams, delta=self.delta), capacity)
-
     # --------------------------------------------------------------------------- global top-k
-
-    def select(self, s: SparseStream, k: int, *, threshold: jax.Array | None = None
-               ) -> tuple[SparseStream, SparseStream]:
-        take = selected_capacity(k, s.capacity, s.size)
-        valid = jnp.arange(s.capacity) < s.nnz
-
-        def largest():  # positions, ascending: padding (zeros) only after every entry
-            return jnp.where(jnp.arange(take) < s.nnz, topk(s.values, take).indices, s.capacity), jnp.minimum(take, s.nnz)
-
-        if threshold is None:
-            chosen, count = largest()
-        else:
-            above = valid & (s.values != 0) & (jnp.abs(s.values) >= threshold)
-            count = jnp.sum(above, dtype=INDEX_DTYPE)
-            chosen, count = jax.lax.cond(count <= take, lambda: (jnp.nonzero(above, size=take, fill_value=s.capacity)[0]
-                                                                 .astype(INDEX_DTYPE), count), largest)
-        kept = SparseStream(s.indices.at[chosen].get(mode="fill", fill_value=s.size),
-                            s.values.at[chosen].get(mode="fill", fill_value=0.0), count.astype(INDEX_DTYPE), s.size)
-        left = valid.at[chosen].set(False, mode="drop")
-        slots = jnp.where(left, jnp.cumsum(left) - 1, s.capacity)  # the rest packed in order; the others dropped
-        pairs = SparseStream(jnp.full((s.capacity,), s.size, INDEX_DTYPE).at[slots].set(s.indices, mode="drop"),
-                             jnp.zeros((s.capacity,), VALUE_DTYPE).at[slots].set(s.values, mode="drop"),
-                             (s.nnz - kept.nnz).astype(INDEX_DTYPE), s.size)
-        if s.capacity < s.size:  # never the dense representation
-            return kept, pairs
-        zeroed = SparseStream(s.indices, s.values.at[chosen].set(0.0, mode="drop"), s.nnz, s.size)
-        return kept, jax.tree.map(lambda d, q: jnp.where(s.is_dense, d, q), zeroed, pairs)
-
-    def split_regions(self, s: SparseStream, starts: jax.Array) -> list[SparseStream]:
-        n, slot = s.size, min(s.capacity, s.size)
-        bounds = jnp.concatenate([jnp.zeros((1,), INDEX_DTYPE), jnp.asarray(starts, INDEX_DTYPE),
-                                  jnp.full((1,), n, INDEX_DTYPE)])
-        bounds = jax.lax.cummax(jnp.clip(bounds, 0, n))
-        s = self._checked(s)
-        valid = jnp.arange(s.capacity) < s.nnz
-        offsets = jnp.minimum(jnp.searchsorted(jnp.where(valid, s.indices, n), bounds, side="left"), s.nnz)
-        padded = resize(s, s.capacity + slot)
-        out = []
-        for r in range(self.nprocs):
-            count = (offsets[r + 1] - offsets[r]).astype(INDEX_DTYPE)
-            inside = jnp.arange(slot) < count
-            idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,))
-            val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
-            out.append(SparseStream(jnp.where(inside, idx, n), jnp.where(inside, val, 0.0), count, n))
-        return out
-
-    def add(self, a: SparseStream, b: SparseStream) -> SparseStream:
-        return merge(a, b, delta=self.delta, capacity=a.capacity)
 
     def pass_blocks(self, blocks: list[SparseStream], *, distance: int, count: int,
                     budgets: Sequence[int] | None = None) -> list[SparseStream]:
@@ -452,5 +329,3 @@ class Mpi4jaxTransport:
         kept, _ = self.select(self.gather(part.stream, width=width), budgets[self.rank % width])
         return Part(kept, None, -1, part.slot)
 
-    def residual(self, x: SparseStream, held: SparseStream, total: SparseStream) -> SparseStream:
-        return dense_stream(jnp.where(_densify(total) != 0, _densify(held), _densify(x)))

@@ -1,0 +1,157 @@
+"""Static buffers: the local operations of the transports whose messages have fixed sizes.
+
+The mpi4jax transport and the XLA transport send whole static buffers, so between messages
+their streams are ``SparseStream`` values of static capacity, and what they do to them on one
+rank (cut a stream into ranges, select its top entries, join segments, form the residual) is
+the same. This base class holds those operations; the transports add the messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparcml_jax.comm.topology import (concatenated_capacity, part_bounds, part_length, segment_capacities,
+                                       segment_slot, selected_capacity)
+from sparcml_jax.kernels.merge import merge, merge_all
+from sparcml_jax.kernels.partition import partition_bounds, scatter_add
+from sparcml_jax.kernels.topk import topk
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
+
+HEADER = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """This rank's range of a reduce-scatter: a stream (local indices), or dense ``values``."""
+
+    stream: SparseStream | None
+    values: jax.Array | None
+    source_capacity: int
+    slot: int = -1  # a selected part (source_capacity -1): the pairs every rank's part has room for
+    regions: bool = False  # a part of run-time regions: its indices are over the whole vector
+
+
+def header(nnz) -> jax.Array:
+    return jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.zeros((), INDEX_DTYPE)])
+
+
+def pack(idx: jax.Array, val: jax.Array, nnz) -> jax.Array:
+    return jnp.concatenate([header(nnz), idx, jax.lax.bitcast_convert_type(val, INDEX_DTYPE)])
+
+
+def unpack(buf: jax.Array, capacity: int):
+    idx = buf[HEADER:HEADER + capacity]
+    val = jax.lax.bitcast_convert_type(buf[HEADER + capacity:], VALUE_DTYPE)
+    return idx, val, buf[0]
+
+
+def densify(s: SparseStream) -> jax.Array:
+    return scatter_add(s, jnp.zeros((s.size,), VALUE_DTYPE))
+
+
+class StaticBuffers:
+    """The local operations of a static-buffer transport (``delta``, ``size`` and ``nprocs`` set
+    by the subclass)."""
+
+    delta: float
+    size: int
+    nprocs: int
+
+    def _checked(self, s: SparseStream) -> SparseStream:
+        """``s`` once it may be validated (the mpi4jax transport: after the agreement)."""
+        return s
+
+    def _segments(self, s: SparseStream, slot: int, parts: int | None = None) -> jax.Array:
+        """[parts, header + 2 slot]: the pairs of each of ``parts`` ranges (default P), re-based to
+        the range's start."""
+        parts = self.nprocs if parts is None else parts
+        bounds = partition_bounds(s.size, parts).astype(np.int32)
+        offsets = jnp.searchsorted(s.indices, jnp.asarray(bounds), side="left").astype(INDEX_DTYPE)
+        offsets = jnp.minimum(offsets, s.nnz)
+        padded = resize(s, s.capacity + slot)
+        rows = []
+        for r in range(parts):
+            count = offsets[r + 1] - offsets[r]
+            idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,)) - bounds[r]
+            val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
+            valid = jnp.arange(slot) < count
+            rows.append(pack(jnp.where(valid, idx, part_length(s.size, parts, r)), jnp.where(valid, val, 0.0), count))
+        return jnp.stack(rows)
+
+    def split(self, s: SparseStream, *, fan_in: int = 1, parts: int | None = None) -> list[SparseStream]:
+        p = self.nprocs if parts is None else parts
+        slot = segment_slot(s.capacity, s.size, p)
+        rows = self._segments(self._checked(s), slot, p)
+        out = []
+        for r, capacity in enumerate(segment_capacities(s.capacity, s.size, p, fan_in, self.delta)):
+            idx, val, nnz = unpack(rows[r], slot)
+            seg = resize(SparseStream(idx, val, nnz, part_length(s.size, p, r)), capacity)
+            out.append(merge(seg, SparseStream.empty(seg.size, 0), delta=self.delta, capacity=capacity))
+        return out
+
+    def concat(self, segments: list[SparseStream]) -> SparseStream:
+        p, n = len(segments), self.size
+        streams = []
+        for r, seg in enumerate(segments):
+            valid = jnp.arange(seg.capacity) < seg.nnz
+            streams.append(SparseStream(jnp.where(valid, seg.indices + part_bounds(n, p, r)[0], n), seg.values,
+                                        seg.nnz, n))
+        if p == 1:
+            streams.append(SparseStream.empty(n, 0))
+        capacity = concatenated_capacity([seg.capacity for seg in segments], n, self.delta)
+        return resize(merge_all(streams, delta=self.delta), capacity)
+
+    def select(self, s: SparseStream, k: int, *, threshold: jax.Array | None = None
+               ) -> tuple[SparseStream, SparseStream]:
+        take = selected_capacity(k, s.capacity, s.size)
+        valid = jnp.arange(s.capacity) < s.nnz
+
+        def largest():  # positions, ascending: padding (zeros) only after every entry
+            return jnp.where(jnp.arange(take) < s.nnz, topk(s.values, take).indices, s.capacity), jnp.minimum(take, s.nnz)
+
+        if threshold is None:
+            chosen, count = largest()
+        else:
+            above = valid & (s.values != 0) & (jnp.abs(s.values) >= threshold)
+            count = jnp.sum(above, dtype=INDEX_DTYPE)
+            chosen, count = jax.lax.cond(count <= take, lambda: (jnp.nonzero(above, size=take, fill_value=s.capacity)[0]
+                                                                 .astype(INDEX_DTYPE), count), largest)
+        kept = SparseStream(s.indices.at[chosen].get(mode="fill", fill_value=s.size),
+                            s.values.at[chosen].get(mode="fill", fill_value=0.0), count.astype(INDEX_DTYPE), s.size)
+        left = valid.at[chosen].set(False, mode="drop")
+        slots = jnp.where(left, jnp.cumsum(left) - 1, s.capacity)  # the rest packed in order; the others dropped
+        pairs = SparseStream(jnp.full((s.capacity,), s.size, INDEX_DTYPE).at[slots].set(s.indices, mode="drop"),
+                             jnp.zeros((s.capacity,), VALUE_DTYPE).at[slots].set(s.values, mode="drop"),
+                             (s.nnz - kept.nnz).astype(INDEX_DTYPE), s.size)
+        if s.capacity < s.size:  # never the dense representation
+            return kept, pairs
+        zeroed = SparseStream(s.indices, s.values.at[chosen].set(0.0, mode="drop"), s.nnz, s.size)
+        return kept, jax.tree.map(lambda d, q: jnp.where(s.is_dense, d, q), zeroed, pairs)
+
+    def split_regions(self, s: SparseStream, starts: jax.Array) -> list[SparseStream]:
+        n, slot = s.size, min(s.capacity, s.size)
+        bounds = jnp.concatenate([jnp.zeros((1,), INDEX_DTYPE), jnp.asarray(starts, INDEX_DTYPE),
+                                  jnp.full((1,), n, INDEX_DTYPE)])
+        bounds = jax.lax.cummax(jnp.clip(bounds, 0, n))
+        s = self._checked(s)
+        valid = jnp.arange(s.capacity) < s.nnz
+        offsets = jnp.minimum(jnp.searchsorted(jnp.where(valid, s.indices, n), bounds, side="left"), s.nnz)
+        padded = resize(s, s.capacity + slot)
+        out = []
+        for r in range(self.nprocs):
+            count = (offsets[r + 1] - offsets[r]).astype(INDEX_DTYPE)
+            inside = jnp.arange(slot) < count
+            idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,))
+            val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
+            out.append(SparseStream(jnp.where(inside, idx, n), jnp.where(inside, val, 0.0), count, n))
+        return out
+
+    def add(self, a: SparseStream, b: SparseStream) -> SparseStream:
+        return merge(a, b, delta=self.delta, capacity=a.capacity)
+
+    def residual(self, x: SparseStream, held: SparseStream, total: SparseStream) -> SparseStream:
+        return dense_stream(jnp.where(densify(total) != 0, densify(held), densify(x)))
