@@ -9,21 +9,23 @@ the collective's own messages, so a bad input raises on every rank instead of le
 from __future__ import annotations
 
 import functools
+from typing import Hashable
+
 import jax
 import jax.numpy as jnp
 from mpi4py import MPI
 
-from sparcml_jax.collectives import auto
+from sparcml_jax.collectives import auto, on_axis
 from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, definition
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.dense import dense_allreduce
 from sparcml_jax.collectives.validate import (allreduce_signature, call_and_recover, check_allreduce,
-                                              reject_everywhere, reset_after_error)
+                                              check_allreduce_arguments, reject_everywhere, reset_after_error)
 from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.qsgd import key_words
-from sparcml_jax.stream import SparseStream
+from sparcml_jax.stream import SparseStream, dense_threshold
 
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
            "sparse_allreduce"]
@@ -32,8 +34,9 @@ def sparse_allreduce(
     stream: SparseStream,
     *,
     comm: MPI.Comm | None = None,
+    axis_name: Hashable | None = None,
     algorithm: str = "auto",
-    transport: str = "native",
+    transport: str | None = None,
     delta: float = 1.0,
     quantize_bits: int | None = None,
     key: jax.Array | None = None,
@@ -47,10 +50,14 @@ def sparse_allreduce(
     Args:
       stream: this rank's :class:`SparseStream`; every rank passes the same ``size`` and capacity.
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      axis_name: instead of ``comm``: inside ``jax.shard_map`` (or ``jax.pmap``), sum over the
+        devices of this mesh axis with XLA's own collectives (any platform; whole static
+        buffers, like ``"mpi4jax"``). ``"auto"`` then needs ``cost_model`` (or
+        ``SPARCML_JAX_COST_MODEL``).
       algorithm: ``"auto"`` (alpha-beta cost model, §5.3), ``"ssar_recursive_doubling"``,
         ``"ssar_split_allgather"``, ``"dsar_split_allgather"``, ``"sparse_ring"`` or ``"dense"``.
-      transport: ``"native"`` (our MPI engine: only valid entries travel) or ``"mpi4jax"``
-        (whole static buffers).
+      transport: over MPI ``"native"`` (our MPI engine: only valid entries travel; the default)
+        or ``"mpi4jax"`` (whole static buffers); over a mesh axis ``"xla"`` (the default).
       delta: dense switch threshold: dense once ``8 nnz >= delta * 4 size``.
       quantize_bits: QSGD bits (2, 4, 8) for DSAR's dense allgather phase (§6); needs ``key``.
       key: PRNG key for QSGD; pass a fresh one every step.
@@ -68,8 +75,27 @@ def sparse_allreduce(
       >>> total = sparse_allreduce(SparseStream.from_dense(x, capacity=1))
       >>> float(total.to_dense().sum()) == MPI.COMM_WORLD.size
       True
+
+    Over a mesh axis (here of 1 device, every device summing its copy of ``x``):
+      >>> import jax
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> @jax.jit
+      ... @jax.shard_map(mesh=mesh, in_specs=jax.P(), out_specs=jax.P(), check_vma=False)
+      ... def summed(x):
+      ...     s = SparseStream.from_dense(x, capacity=2)
+      ...     return sparse_allreduce(s, axis_name="data", algorithm="ssar_split_allgather").to_dense()
+      >>> summed(jnp.array([0.0, 2.0, 0.0, 1.0])).tolist()
+      [0.0, 2.0, 0.0, 1.0]
     """
+    if axis_name is not None:
+        quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
+                                             key=key, bucket_size=bucket_size, quantize_scale=quantize_scale)
+        plan = on_axis.axis_plan(axis_name, comm, transport, delta, quantize)
+        model = on_axis.cost_model_on_axis(cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
+        result, stats = on_axis.allreduce(plan, algorithm, model, stream, key)
+        return (result, stats) if return_stats else result
     comm = resolve_comm(comm)
+    transport = "native" if transport is None else transport
     try:
         plan = check_allreduce(comm, stream, algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
@@ -124,11 +150,12 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
     return run
 
 
-def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, transport: str = "native",
-                     delta: float = 1.0, return_stats: bool = False):
+def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, axis_name: Hashable | None = None,
+                     transport: str | None = None, delta: float = 1.0, return_stats: bool = False):
     """Union of every rank's stream (indices should be disjoint across ranks; overlaps are summed).
 
-    This is also the naive "allgather, then sum" allreduce of DGC and GRACE.
+    This is also the naive "allgather, then sum" allreduce of DGC and GRACE. ``comm``,
+    ``axis_name`` and ``transport`` as in :func:`sparse_allreduce`.
 
     Example (under ``mpirun -n P``):
       >>> import jax.numpy as jnp
@@ -139,10 +166,15 @@ def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, tran
       >>> sparse_allgather(mine).to_dense()[::2].tolist() == [r + 1.0 for r in range(size)]
       True
     """
+    if axis_name is not None:
+        check_stream(stream, "stream")
+        dense_threshold(1, delta)  # raises for a delta that is not positive
+        result, stats = on_axis.allgather(on_axis.axis_plan(axis_name, comm, transport, delta), stream)
+        return (result, stats) if return_stats else result
     comm = resolve_comm(comm)
     try:
         check_stream(stream, "stream")
-        plan = Plan(comm, check_transport(transport), float(delta))
+        plan = Plan(comm, check_transport("native" if transport is None else transport), float(delta))
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     result, stats = call_and_recover(_compiled_allgather(plan), stream)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 import jax
 from mpi4py import MPI
@@ -35,17 +35,21 @@ class Quantization:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One call's static choices. mpi4py communicators are unhashable: plans hash and compare by
-    the communicator's handle."""
+    """One call's static choices, over an MPI communicator or a mesh axis (``axis_name``, of
+    ``axis_size`` devices, with ``comm`` None). mpi4py communicators are unhashable: plans hash
+    and compare by the communicator's handle."""
 
-    comm: MPI.Comm = dataclasses.field(compare=False, hash=False)
+    comm: MPI.Comm | None = dataclasses.field(compare=False, hash=False)
     transport: str
     delta: float
     quantize: Quantization | None = None
     comm_handle: int = -1
+    axis_name: Hashable | None = None
+    axis_size: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "comm_handle", self.comm.py2f())
+        if self.comm is not None:
+            object.__setattr__(self, "comm_handle", self.comm.py2f())
 
     @property
     def rank(self) -> int:
@@ -53,7 +57,7 @@ class Plan:
 
     @property
     def nprocs(self) -> int:
-        return self.comm.Get_size()
+        return self.axis_size if self.axis_name is not None else self.comm.Get_size()
 
     def options(self, algorithm: str) -> dict:
         """Keyword arguments of the algorithm's definition (QSGD for DSAR's dense phase)."""

@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives._plan import Plan
 from sparcml_jax.collectives.cost_model import CostModel
+from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS
 from sparcml_jax.stream import can_switch_to_dense, dense_threshold
 
 COST_MODEL_ENV = "SPARCML_JAX_COST_MODEL"
@@ -29,8 +30,9 @@ def price(model: CostModel, plan: Plan, name: str, size: int, capacity: int, nnz
     appendix B reaches the dense switch); SSAR would carry a dense vector as streams through
     every round, measured at 3-17x the prediction (2^22 values, 50 %, P = 2, 4).
 
-    The mpi4jax transport moves whole buffers, so there the fill-in is that of the capacities
-    (recursive doubling on streams of capacity N at 10 %, P = 4: 168 ms against 21 ms dense).
+    The static-buffer transports (mpi4jax, xla) move whole buffers, so there the fill-in is that
+    of the capacities (recursive doubling on mpi4jax, streams of capacity N at 10 %, P = 4: 168 ms
+    against 21 ms dense).
     """
     q = plan.quantize if name == "dsar_split_allgather" else None
     cost = float(model.predict(name, size=size, nnz=nnz, nprocs=plan.nprocs, transport=plan.transport,
@@ -38,7 +40,7 @@ def price(model: CostModel, plan: Plan, name: str, size: int, capacity: int, nnz
     if plan.nprocs == 1 or not name.startswith("ssar"):
         return cost
     n = max(size, 1)
-    moved = capacity if plan.transport == "mpi4jax" else nnz
+    moved = capacity if plan.transport in STATIC_BUFFER_TRANSPORTS else nnz
     union = n * (1.0 - (1.0 - min(moved, n) / n) ** plan.nprocs)
     return float("inf") if union >= dense_threshold(size, plan.delta) else cost
 
@@ -55,12 +57,12 @@ def choice_table(model: CostModel, plan: Plan, size: int, capacity: int) -> list
     A capacity too small for the dense form was sized for the data (top-k streams fill it), so
     its price is the price. A capacity that allows the dense form says little about the actual
     count: a sparse winner at that bound stays the winner for fewer nonzeros, anything else is
-    decided at run time on the global nnz, from the prices at powers of two. The mpi4jax
-    transport's prices depend on the capacities alone (it moves whole buffers), so its choice
+    decided at run time on the global nnz, from the prices at powers of two. The static-buffer
+    transports' prices depend on the capacities alone (they move whole buffers), so their choice
     is always made while tracing.
     """
     at_capacity = best(model, plan, size, capacity, capacity)
-    if (plan.transport == "mpi4jax" or not can_switch_to_dense(capacity, size, plan.delta)
+    if (plan.transport in STATIC_BUFFER_TRANSPORTS or not can_switch_to_dense(capacity, size, plan.delta)
             or at_capacity.startswith("ssar")):
         return [(capacity, at_capacity)]
     grid = sorted({0, capacity} | {1 << i for i in range(capacity.bit_length()) if 1 << i < capacity})

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from mpi4py import MPI
 
-from sparcml_jax.comm import Combine, Quantize
+from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS, Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, exchange_capacity, gathered_capacity,
                                        grown_capacity, largest_part_capacity, longest_part, owned_slot, part_capacity,
                                        passed_capacity, peers_of, segment_capacities, segment_slot, selected_capacity)
@@ -135,8 +135,9 @@ class CostModel:
             return self._global_topk_pricing(algorithm, size=size, k=int(nnz), nprocs=nprocs, transport=transport,
                                              delta=delta)
         capacity = size if capacity is None else capacity
-        # Whole static buffers: the mpi4jax transport is priced as full as its capacities allow.
-        per_rank = capacity if transport == "mpi4jax" else nnz
+        # Whole static buffers: the mpi4jax and xla transports are priced as full as their capacities
+        # allow.
+        per_rank = capacity if transport in STATIC_BUFFER_TRANSPORTS else nnz
         t = Pricing(self, size=size, nnz=per_rank, nprocs=nprocs, transport=transport, delta=delta)
         if nprocs > 1:
             options = {"quantize": Quantization(quantize_bits)} if quantize_bits else {}
@@ -201,7 +202,7 @@ class Pricing:
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
         # A global top-k's k: the entries a carried threshold selects in all.
         self.target = target
-        self.static = transport == "mpi4jax"
+        self.static = transport in STATIC_BUFFER_TRANSPORTS
         self.variable_length = not self.static
         self.k = float(nnz)
         self._seconds = 0.0

@@ -3,6 +3,8 @@ densifies the stream straight into the result buffer)."""
 
 from __future__ import annotations
 
+from typing import Hashable
+
 import jax
 import mpi4jax
 from mpi4py import MPI
@@ -10,8 +12,11 @@ from mpi4py import MPI
 from sparcml_jax.comm import S, Transport, resolve_comm
 
 
-def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None) -> jax.Array:
+def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None, axis_name: Hashable | None = None) -> jax.Array:
     """Sum of ``x`` over the ranks of ``comm`` (MPI_Allreduce via mpi4jax); works under ``jit``.
+
+    With ``axis_name`` instead, inside ``jax.shard_map`` (or ``jax.pmap``): ``jax.lax.psum``
+    over that mesh axis.
 
     Example (under ``mpirun -n P``; with one process it is the identity):
       >>> import jax.numpy as jnp
@@ -20,6 +25,11 @@ def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None) -> jax.Array:
       >>> bool((dense_allreduce(jnp.ones(3)) == MPI.COMM_WORLD.size).all())
       True
     """
+    if axis_name is not None:
+        from sparcml_jax.collectives.on_axis import axis_plan
+
+        axis_plan(axis_name, comm, None, 1.0)  # raises for comm given too, or for an axis not bound here
+        return jax.lax.psum(x, axis_name)
     comm = resolve_comm(comm)
     return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 

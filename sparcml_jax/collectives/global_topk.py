@@ -9,7 +9,7 @@ re-select inside the collective and keep the books exact: what they drop goes to
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +17,14 @@ import mpi4jax
 import numpy as np
 from mpi4py import MPI
 
+from sparcml_jax.collectives import on_axis
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS, Plan, definition
 from sparcml_jax.collectives.validate import call_and_recover, reject_everywhere
 from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
-from sparcml_jax.kernels._common import check_vector
+from sparcml_jax.comm.xla_transport import NAME as XLA
+from sparcml_jax.comm.xla_transport import XlaTransport, agree
+from sparcml_jax.kernels._common import check_vector, cond_varying
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.kernels.topk import topk
 from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold, resize
@@ -44,15 +47,23 @@ class OktopkState(NamedTuple):
     starts: jax.Array
 
 
-def init_oktopk_state(comm: MPI.Comm | None = None) -> OktopkState:
+def init_oktopk_state(comm: MPI.Comm | None = None, *, nprocs: int | None = None) -> OktopkState:
     """The state of a first step: every estimate is computed afresh on it.
+
+    Args:
+      comm: the communicator of the calls; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      nprocs: instead, the number of devices of the mesh axis of the calls (``axis_name=``).
 
     Example:
       >>> from sparcml_jax import init_oktopk_state
-      >>> int(init_oktopk_state().step)
-      0
+      >>> int(init_oktopk_state().step), init_oktopk_state(nprocs=4).starts.shape
+      (0, (3,))
     """
-    nprocs = resolve_comm(comm).Get_size()
+    if nprocs is None:
+        nprocs = resolve_comm(comm).Get_size()
+    elif comm is not None or isinstance(nprocs, bool) or not isinstance(nprocs, (int, np.integer)) or nprocs < 1:
+        raise ValueError(f"init_oktopk_state takes comm or nprocs (a positive int), got comm={comm!r}, "
+                         f"nprocs={nprocs!r}")
     return OktopkState(jnp.int32(0), jnp.float32(0), jnp.float32(0), jnp.zeros((nprocs - 1,), jnp.int32))
 
 
@@ -82,7 +93,8 @@ def global_topk_allreduce(
     *,
     algorithm: str = "spardl",
     comm: MPI.Comm | None = None,
-    transport: str = "native",
+    axis_name: Hashable | None = None,
+    transport: str | None = None,
     delta: float = 1.0,
     teams: int = 1,
     oktopk_state: OktopkState | None = None,
@@ -125,7 +137,10 @@ def global_topk_allreduce(
       k: static int in ``[0, size]``: the size of the global result.
       algorithm: one of ``GLOBAL_TOPK_ALGORITHMS``.
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
-      transport: ``"native"`` (only valid entries travel) or ``"mpi4jax"`` (static buffers).
+      axis_name: instead of ``comm``: inside ``jax.shard_map`` (or ``jax.pmap``), over the
+        devices of this mesh axis, on XLA's collectives (see :func:`sparse_allreduce`).
+      transport: over MPI ``"native"`` (only valid entries travel; the default) or
+        ``"mpi4jax"`` (static buffers); over a mesh axis ``"xla"`` (the default).
       delta: SparCML's dense switch for the result (dense once ``8 nnz >= delta 4 size``).
       teams: SparDL's teams G (a static int that divides P); 1 is the plain allgather.
       oktopk_state: Ok-Topk's :class:`OktopkState` (from :func:`init_oktopk_state`, then from
@@ -155,30 +170,39 @@ def global_topk_allreduce(
       >>> total.indices[: int(total.nnz)].tolist(), int(state.step)
       ([6, 7], 1)
     """
-    comm = resolve_comm(comm)
-    try:
-        plan, size, k = _check(comm, x, k, algorithm, transport, delta)
+    if axis_name is not None:
+        size, k = _check(x, k, algorithm, delta)
+        plan = on_axis.axis_plan(axis_name, comm, transport, delta)
         check_options(algorithm, teams, tau, tau_prime)
-        _check_oktopk(comm, algorithm, oktopk_state)
-        _check_teams(comm, teams)
-    except (TypeError, ValueError) as e:
-        reject_everywhere(comm, e)
+        _check_oktopk(plan.nprocs, algorithm, oktopk_state)
+        _check_teams(plan.nprocs, teams)
+        call = lambda fn, *args: fn(*args)  # noqa: E731
+    else:
+        comm = resolve_comm(comm)
+        transport = "native" if transport is None else transport
+        try:
+            size, k = _check(x, k, algorithm, delta)
+            plan = Plan(comm, check_transport(transport), float(delta))
+            check_options(algorithm, teams, tau, tau_prime)
+            _check_oktopk(plan.nprocs, algorithm, oktopk_state)
+            _check_teams(plan.nprocs, teams)
+        except (TypeError, ValueError) as e:
+            reject_everywhere(comm, e)
+        call = call_and_recover
     if algorithm != "oktopk":
-        total, residual, stats = call_and_recover(_compiled(plan, algorithm, size, k, int(teams)), x)
+        total, residual, stats = call(_compiled(plan, algorithm, size, k, int(teams)), x)
         return (total, residual, stats) if return_stats else (total, residual)
-    state = init_oktopk_state(comm) if oktopk_state is None else oktopk_state
-    total, residual, state, stats = call_and_recover(_compiled_oktopk(plan, size, k, int(tau), int(tau_prime)), x,
-                                                     state)
+    state = init_oktopk_state(nprocs=plan.nprocs) if oktopk_state is None else oktopk_state
+    total, residual, state, stats = call(_compiled_oktopk(plan, size, k, int(tau), int(tau_prime)), x, state)
     out = (total, residual) + ((state,) if oktopk_state is not None else ())
     return out + (stats,) if return_stats else out
 
 
-def _check(comm: MPI.Comm, x, k, algorithm: str, transport: str, delta: float) -> tuple[Plan, int, int]:
+def _check(x, k, algorithm: str, delta: float) -> tuple[int, int]:
     if isinstance(x, SparseStream):
         raise TypeError("x must be this rank's dense float32 accumulator (gradient plus residual), got a "
                         "SparseStream; pass stream.to_dense()")
     x = check_vector(x, "x")
-    check_transport(transport)
     if algorithm not in GLOBAL_TOPK_ALGORITHMS:
         raise ValueError(f"algorithm must be one of {GLOBAL_TOPK_ALGORITHMS}, got {algorithm!r}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
@@ -188,7 +212,7 @@ def _check(comm: MPI.Comm, x, k, algorithm: str, transport: str, delta: float) -
     if not 0 <= k <= size:
         raise ValueError(f"k={k} must lie in [0, len(x)={size}]; clip it, e.g. k=min(k, x.size)")
     dense_threshold(1, delta)  # raises for a delta that is not positive
-    return Plan(comm, transport, float(delta)), size, int(k)
+    return size, int(k)
 
 
 def check_options(algorithm: str, teams, tau, tau_prime) -> None:
@@ -203,7 +227,7 @@ def check_options(algorithm: str, teams, tau, tau_prime) -> None:
                          "algorithm='spardl'")
 
 
-def _check_oktopk(comm: MPI.Comm, algorithm: str, state) -> None:
+def _check_oktopk(nprocs: int, algorithm: str, state) -> None:
     if state is None:
         return
     if algorithm != "oktopk":
@@ -211,16 +235,17 @@ def _check_oktopk(comm: MPI.Comm, algorithm: str, state) -> None:
                          "algorithm='oktopk'")
     if not isinstance(state, OktopkState):
         raise TypeError(f"oktopk_state must be an OktopkState (from init_oktopk_state), got {type(state).__name__}")
-    want = init_oktopk_state(comm)
+    want = init_oktopk_state(nprocs=nprocs)
     for name, got, like in zip(OktopkState._fields, state, want):
         if jnp.shape(got) != like.shape or jnp.result_type(got) != like.dtype:
-            raise ValueError(f"oktopk_state.{name} must be {like.dtype}{list(like.shape)} for {comm.Get_size()} ranks, "
-                             f"got {jnp.result_type(got)}{list(jnp.shape(got))}; start from init_oktopk_state(comm)")
+            raise ValueError(f"oktopk_state.{name} must be {like.dtype}{list(like.shape)} for {nprocs} ranks, "
+                             f"got {jnp.result_type(got)}{list(jnp.shape(got))}; start from init_oktopk_state(comm) "
+                             "(or init_oktopk_state(nprocs=...) for a mesh axis)")
 
 
-def _check_teams(comm: MPI.Comm, teams: int) -> None:
-    if comm.Get_size() % teams:
-        raise ValueError(f"teams={teams} must divide the number of ranks ({comm.Get_size()}), e.g. teams=1")
+def _check_teams(nprocs: int, teams: int) -> None:
+    if nprocs % teams:
+        raise ValueError(f"teams={teams} must divide the number of ranks ({nprocs}), e.g. teams=1")
 
 
 @functools.lru_cache(maxsize=128)
@@ -253,8 +278,11 @@ def _run(plan: Plan, algorithm: str, size: int, k: int, signature: native.Signat
                                      operands["starts"].astype(jnp.uint32)])
         return native.run_global_topk(program, stream, comm=plan.comm, signature=signature, delta=plan.delta,
                                       operands=words)
-    agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
-    t = Mpi4jaxTransport(plan.comm, plan.delta, size, agreed)
+    if plan.transport == XLA:
+        t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, size, agree(stream, plan.axis_name, "x"))
+    else:
+        agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
+        t = Mpi4jaxTransport(plan.comm, plan.delta, size, agreed)
     total, held = definition(algorithm)(t, stream, k=k, **operands, **options)
     return total, held.values, t.sent
 
@@ -271,15 +299,18 @@ def _program(plan: Plan, algorithm: str, size: int, k: int, **options) -> native
 @functools.lru_cache(maxsize=128)
 def _compiled_oktopk(plan: Plan, size: int, k: int, tau: int, tau_prime: int):
     code, p = GLOBAL_TOPK_ALGORITHMS.index("oktopk"), plan.nprocs
+    cond = functools.partial(cond_varying, axes=frozenset([plan.axis_name]) if plan.transport == XLA else frozenset())
 
     @jax.jit
     def run(x: jax.Array, state: OktopkState):
+        if plan.transport == XLA:  # the step decides collectives: the same on every device
+            state = state._replace(step=on_axis.same_everywhere(state.step, plan.axis_name, "oktopk_state.step"))
         exact = state.step % tau == 0
-        local = jax.lax.cond(exact, lambda: _kth_magnitude(topk(x, k).values, k), lambda: state.local_threshold)
+        local = cond(exact, lambda: _kth_magnitude(topk(x, k).values, k), lambda: state.local_threshold)
         balance = native.Signature.of("global_topk", size=size, k=k, algorithm=code, transport=plan.transport,
                                       delta=plan.delta, exact=None, balance=1)
-        starts = jax.lax.cond(state.step % tau_prime == 0, lambda: _balanced_starts(x, local, plan.comm, balance),
-                              lambda: state.starts)
+        starts = cond(state.step % tau_prime == 0, lambda: _balanced_starts(x, local, plan, balance),
+                      lambda: state.starts)
         operands = dict(local_threshold=local, global_threshold=state.global_threshold, starts=starts)
 
         def branch(reevaluates: bool, capacity: int | None = None):
@@ -294,7 +325,7 @@ def _compiled_oktopk(plan: Plan, size: int, k: int, tau: int, tau_prime: int):
 
         # The two steps' results differ in capacity (k after a re-evaluation): both travel in the larger.
         capacity = max(jax.eval_shape(branch(e), x, operands)[0].capacity for e in (True, False))
-        total, residual, sent = jax.lax.cond(exact, branch(True, capacity), branch(False, capacity), x, operands)
+        total, residual, sent = cond(exact, branch(True, capacity), branch(False, capacity), x, operands)
         selected = jnp.sum((x != 0) & (jnp.abs(x) >= local), dtype=jnp.int32)
         next_state = OktopkState(state.step + 1, _moved(local, selected, k, _LOCAL_SCALE, _LOCAL_SCALE),
                                  jnp.where(exact, _kth_magnitude(total.values, total.nnz),
@@ -323,12 +354,12 @@ def _moved(threshold: jax.Array, selected: jax.Array, k: int, raise_by: float, l
     return jnp.where(low, threshold / lower_by, jnp.where(high, threshold * raise_by, threshold)).astype(jnp.float32)
 
 
-def _balanced_starts(x: jax.Array, threshold: jax.Array, comm: MPI.Comm, signature: native.Signature) -> jax.Array:
+def _balanced_starts(x: jax.Array, threshold: jax.Array, plan: Plan, signature: native.Signature) -> jax.Array:
     """Ok-Topk's region boundaries: every rank samples the positions of its selected indices at
     ranks count i / P (i = 1..P-1) and the samples are averaged over ranks. The average is
     exact in int32: ranks add their quotients and remainders by P. Ranks agree first, so that a
     rank at another step (which skips this) fails every rank's call instead of hanging it."""
-    p, n = comm.Get_size(), x.shape[0]
+    p, n = plan.nprocs, x.shape[0]
     if p == 1:
         return jnp.zeros((0,), jnp.int32)
     chosen = (x != 0) & (jnp.abs(x) >= threshold)
@@ -338,7 +369,11 @@ def _balanced_starts(x: jax.Array, threshold: jax.Array, comm: MPI.Comm, signatu
     sampled = jnp.searchsorted(ranks, (count // p) * i + 1, side="left").astype(jnp.int32)
     even = jnp.asarray(partition_bounds(n, p)[1:-1], jnp.int32)
     sample = jnp.where(count >= p, sampled, even)  # too few to sample: the even split
-    agreed = native.agree(dense_stream(sample.astype(jnp.float32)), comm=comm, signature=signature)
-    parts = jnp.where(agreed < 0, 0, jnp.concatenate([sample // p, sample % p]))  # (never: it orders them)
-    summed = mpi4jax.allreduce(parts, op=MPI.SUM, comm=comm)
+    parts = jnp.concatenate([sample // p, sample % p])
+    if plan.transport == XLA:  # every device is at the same step (checked before)
+        summed = jax.lax.psum(parts, plan.axis_name)
+    else:
+        agreed = native.agree(dense_stream(sample.astype(jnp.float32)), comm=plan.comm, signature=signature)
+        parts = jnp.where(agreed < 0, 0, parts)  # (never: it orders them)
+        summed = mpi4jax.allreduce(parts, op=MPI.SUM, comm=plan.comm)
     return summed[: p - 1] + summed[p - 1:] // p

@@ -27,8 +27,16 @@ from sparcml_jax.stream import SparseStream, dense_threshold
 def check_allreduce(comm: MPI.Comm, stream: Any, *, algorithm: str, transport: str, delta: float,
                     quantize_bits: int | None, key: Any, bucket_size: int, quantize_scale: str) -> Plan:
     """The plan of a valid call; raises TypeError or ValueError naming the argument otherwise."""
-    check_stream(stream, "stream")
     check_transport(transport)
+    quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
+                                         key=key, bucket_size=bucket_size, quantize_scale=quantize_scale)
+    return Plan(comm, transport, float(delta), quantize)
+
+
+def check_allreduce_arguments(stream: Any, *, algorithm: str, delta: float, quantize_bits: int | None, key: Any,
+                              bucket_size: int, quantize_scale: str) -> Quantization | None:
+    """The QSGD settings of a valid call (on any transport); raises naming the argument otherwise."""
+    check_stream(stream, "stream")
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
     dense_threshold(1, delta)  # raises for a delta that is not positive
@@ -46,7 +54,7 @@ def check_allreduce(comm: MPI.Comm, stream: Any, *, algorithm: str, transport: s
         if quantize_scale not in QUANTIZE_SCALES:
             raise ValueError(f"quantize_scale must be one of {QUANTIZE_SCALES}, got {quantize_scale!r}")
         quantize = Quantization(int(quantize_bits), int(bucket_size), quantize_scale)
-    return Plan(comm, transport, float(delta), quantize)
+    return quantize
 
 
 def model_digest(model: Any) -> int | None:

@@ -8,6 +8,8 @@ transport's. A transport interprets them:
 - ``native`` (:mod:`.native`) records them as a program that our C engine runs in one FFI call,
   on the calling thread or on the progress engine's thread; messages carry only valid entries;
 - ``mpi4jax`` (:mod:`.mpi4jax_transport`) turns them into mpi4jax ops on static buffers;
+- ``xla`` (:mod:`.xla_transport`) turns them into XLA's collectives over a mesh axis, inside
+  ``jax.shard_map``, on static buffers;
 - the cost model (:mod:`sparcml_jax.collectives.cost_model`) prices them;
 - :mod:`.simulated` runs them for every rank at once in numpy, counting the bytes each sends.
 
@@ -124,7 +126,12 @@ class Transport(Protocol[S]):
         elsewhere, as a dense stream."""
 
 
+# Transports whose messages carry whole static buffers (priced by their capacities).
+STATIC_BUFFER_TRANSPORTS = ("mpi4jax", "xla")
+
+
 def transport_names() -> tuple[str, ...]:
+    """The MPI transports (``comm=``); a mesh axis (``axis_name=``) has the ``"xla"`` one."""
     return ("native", "mpi4jax")
 
 

@@ -31,7 +31,7 @@ from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_p
                                        part_length, passed_capacity, peers_of, ring_segments, segment_slot,
                                        selected_capacity)
 from sparcml_jax.kernels.merge import merge, merge_all
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
 
 NAME = "mpi4jax"
 _TAG = 0x5CB0
@@ -66,12 +66,6 @@ class Mpi4jaxTransport(StaticBuffers):
         self._round += 1
 
     # --------------------------------------------------------------------------- point to point
-
-    def _compact(self, size: int, capacity: int) -> bool:
-        """Once the buffers can hold the dense vector, a message of n int32 slots carries either
-        the dense values or, below SparCML's threshold, the (at most n // 2) pairs: 4 bytes per
-        entry instead of 8, and the switch still follows the actual count."""
-        return capacity >= size and dense_threshold(size, self.delta) - 1 <= size // 2
 
     def _transfer(self, s: SparseStream, dest: int, source: int, recv_size: int, recv_capacity: int):
         """Sends ``s`` to ``dest`` and receives a stream over ``recv_size`` entries of
@@ -113,26 +107,6 @@ class Mpi4jaxTransport(StaticBuffers):
             return self._unpack_compact(received[0], recv_size, recv_capacity), sent
         counts, indices, values = received
         return SparseStream(indices, values, counts[0], recv_size), sent
-
-    def _pack_compact(self, s: SparseStream) -> jax.Array:
-        """[nnz, 0, n slots]: the dense values when nnz reaches the threshold, else the pairs."""
-        n, half = s.size, s.size // 2
-        go_dense = s.nnz >= dense_threshold(n, self.delta)
-        pairs = jnp.concatenate([s.indices[:half], jax.lax.bitcast_convert_type(s.values[:half], INDEX_DTYPE),
-                                 jnp.zeros((n - 2 * half,), INDEX_DTYPE)])
-        dense = jax.lax.bitcast_convert_type(densify(s), INDEX_DTYPE)
-        body = jax.lax.cond(go_dense, lambda: dense, lambda: pairs)
-        nnz = jnp.where(go_dense, n, s.nnz).astype(INDEX_DTYPE)
-        return jnp.concatenate([header(nnz), body])
-
-    @staticmethod
-    def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> SparseStream:
-        half = n // 2
-        nnz, body = buf[0], buf[HEADER:]
-        dense = resize(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
-        pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
-                       capacity)
-        return jax.tree.map(lambda d, p: jnp.where(nnz == n, d, p), dense, pairs)
 
     def _combine(self, kept: SparseStream, got: SparseStream | None, capacity: int, combine: Combine) -> SparseStream:
         if got is None:

@@ -16,10 +16,11 @@ import numpy as np
 
 from sparcml_jax.comm.topology import (concatenated_capacity, part_bounds, part_length, segment_capacities,
                                        segment_slot, selected_capacity)
+from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds, scatter_add
 from sparcml_jax.kernels.topk import topk
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
+from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
 
 HEADER = 2
 
@@ -60,10 +61,40 @@ class StaticBuffers:
     delta: float
     size: int
     nprocs: int
+    axes: frozenset = frozenset()  # the mesh axes its values vary over (the XLA transport's)
+
+    def _cond(self, pred, true_fun, false_fun, *operands):
+        return cond_varying(pred, true_fun, false_fun, *operands, axes=self.axes)
 
     def _checked(self, s: SparseStream) -> SparseStream:
         """``s`` once it may be validated (the mpi4jax transport: after the agreement)."""
         return s
+
+    def _compact(self, size: int, capacity: int) -> bool:
+        """Once the buffers can hold the dense vector, a message of n int32 slots carries either
+        the dense values or, below SparCML's threshold, the (at most n // 2) pairs: 4 bytes per
+        entry instead of 8, and the switch still follows the actual count."""
+        return capacity >= size and dense_threshold(size, self.delta) - 1 <= size // 2
+
+    def _pack_compact(self, s: SparseStream) -> jax.Array:
+        """[nnz, 0, n slots]: the dense values when nnz reaches the threshold, else the pairs."""
+        n, half = s.size, s.size // 2
+        go_dense = s.nnz >= dense_threshold(n, self.delta)
+        pairs = jnp.concatenate([s.indices[:half], jax.lax.bitcast_convert_type(s.values[:half], INDEX_DTYPE),
+                                 jnp.zeros((n - 2 * half,), INDEX_DTYPE)])
+        dense = jax.lax.bitcast_convert_type(densify(s), INDEX_DTYPE)
+        body = self._cond(go_dense, lambda: dense, lambda: pairs)
+        nnz = jnp.where(go_dense, n, s.nnz).astype(INDEX_DTYPE)
+        return jnp.concatenate([header(nnz), body])
+
+    @staticmethod
+    def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> SparseStream:
+        half = n // 2
+        nnz, body = buf[0], buf[HEADER:]
+        dense = resize(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
+        pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
+                       capacity)
+        return jax.tree.map(lambda d, p: jnp.where(nnz == n, d, p), dense, pairs)
 
     def _segments(self, s: SparseStream, slot: int, parts: int | None = None) -> jax.Array:
         """[parts, header + 2 slot]: the pairs of each of ``parts`` ranges (default P), re-based to
@@ -105,20 +136,29 @@ class StaticBuffers:
         capacity = concatenated_capacity([seg.capacity for seg in segments], n, self.delta)
         return resize(merge_all(streams, delta=self.delta), capacity)
 
-    def select(self, s: SparseStream, k: int, *, threshold: jax.Array | None = None
-               ) -> tuple[SparseStream, SparseStream]:
+    def select(self, s: SparseStream, k: int, *, threshold: jax.Array | None = None,
+               limit: jax.Array | None = None) -> tuple[SparseStream, SparseStream]:
+        """:meth:`Transport.select`; with a run-time ``limit`` (at most ``k``) and no threshold,
+        the ``limit`` entries of largest magnitude (a budget that differs between ranks)."""
         take = selected_capacity(k, s.capacity, s.size)
         valid = jnp.arange(s.capacity) < s.nnz
 
         def largest():  # positions, ascending: padding (zeros) only after every entry
-            return jnp.where(jnp.arange(take) < s.nnz, topk(s.values, take).indices, s.capacity), jnp.minimum(take, s.nnz)
+            chosen = jnp.where(jnp.arange(take) < s.nnz, topk(s.values, take).indices, s.capacity)
+            if limit is None:
+                return chosen, jnp.minimum(take, s.nnz)
+            count = jnp.minimum(jnp.minimum(limit, take), s.nnz).astype(INDEX_DTYPE)
+            magnitudes = jnp.abs(s.values.at[chosen].get(mode="fill", fill_value=0.0))
+            by_magnitude = jnp.argsort(-magnitudes, stable=True)  # ties to the lower position, as topk's
+            kept = jnp.zeros((take,), bool).at[by_magnitude].set(jnp.arange(take) < count)
+            return jnp.sort(jnp.where(kept, chosen, s.capacity)), count
 
         if threshold is None:
             chosen, count = largest()
         else:
             above = valid & (s.values != 0) & (jnp.abs(s.values) >= threshold)
             count = jnp.sum(above, dtype=INDEX_DTYPE)
-            chosen, count = jax.lax.cond(count <= take, lambda: (jnp.nonzero(above, size=take, fill_value=s.capacity)[0]
+            chosen, count = self._cond(count <= take, lambda: (jnp.nonzero(above, size=take, fill_value=s.capacity)[0]
                                                                  .astype(INDEX_DTYPE), count), largest)
         kept = SparseStream(s.indices.at[chosen].get(mode="fill", fill_value=s.size),
                             s.values.at[chosen].get(mode="fill", fill_value=0.0), count.astype(INDEX_DTYPE), s.size)

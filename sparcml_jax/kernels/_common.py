@@ -23,16 +23,27 @@ def on_cpu_or_reference(ffi_impl: Callable[..., Any], reference: Callable[..., A
     axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(args)))
     if not axes:
         return jax.lax.platform_dependent(*args, cpu=ffi_impl, default=reference)
-    args = _vary(args, axes)
-    return jax.lax.platform_dependent(*args, cpu=lambda *a: _vary(ffi_impl(*a), axes),
-                                      default=lambda *a: _vary(reference(*a), axes))
+    args = vary(args, axes)
+    return jax.lax.platform_dependent(*args, cpu=lambda *a: vary(ffi_impl(*a), axes),
+                                      default=lambda *a: vary(reference(*a), axes))
 
 
-def _vary(tree: Any, axes: frozenset) -> Any:
-    def vary(leaf: jax.Array) -> jax.Array:
+def vary(tree: Any, axes: frozenset) -> Any:
+    """Every leaf of ``tree`` made to vary over the mesh axes ``axes`` too."""
+    def cast(leaf: jax.Array) -> jax.Array:
         missing = tuple(sorted(axes - varying_axes(leaf)))
         return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
-    return jax.tree.map(vary, tree)
+    return jax.tree.map(cast, tree)
+
+
+def cond_varying(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..., Any], *operands: Any,
+                 axes: frozenset = frozenset()) -> Any:
+    """``jax.lax.cond`` whose branches' results vary over the mesh ``axes`` alike, as
+    ``shard_map`` requires: a branch may compute from varying values where the other passes an
+    invariant one through."""
+    if not axes:
+        return jax.lax.cond(pred, true_fun, false_fun, *operands)
+    return jax.lax.cond(pred, lambda *a: vary(true_fun(*a), axes), lambda *a: vary(false_fun(*a), axes), *operands)
 
 
 def check_vector(x: Any, name: str, dtype=VALUE_DTYPE) -> jax.Array:

@@ -1,0 +1,92 @@
+"""The collectives over a mesh axis (``axis_name=``): the same definitions on the XLA transport
+(:mod:`sparcml_jax.comm.xla_transport`), inside ``jax.shard_map`` or ``jax.pmap``.
+
+One program runs on every device of the axis, so its static choices (the algorithm, the
+capacities, the cost model's pick) are the same on every device by construction, and
+:func:`~sparcml_jax.comm.xla_transport.agree` checks every device's data before any message.
+Across processes (``jax.distributed``) every process traces the same call, as for any XLA
+collective.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, Quantization, definition
+from sparcml_jax.collectives.auto import COST_MODEL_ENV, choice_table
+from sparcml_jax.collectives.cost_model import CostModel
+from sparcml_jax.comm.xla_transport import NAME, XlaTransport, agree
+from sparcml_jax.stream import SparseStream
+
+
+def axis_plan(axis_name: Hashable, comm: Any, transport: str | None, delta: float,
+              quantize: Quantization | None = None) -> Plan:
+    """The plan of a call over ``axis_name``; raises ValueError naming the argument otherwise."""
+    if comm is not None:
+        raise ValueError("comm and axis_name are exclusive: pass comm= to sum across MPI ranks, or axis_name= "
+                         "inside jax.shard_map over a mesh axis, not both")
+    if transport not in (None, NAME):
+        raise ValueError(f"transport={transport!r} is an MPI transport; over a mesh axis the collective runs on "
+                         f"XLA's collectives: leave transport=None (or pass {NAME!r})")
+    try:
+        size = jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"axis_name={axis_name!r} names no mesh axis here: call the collective inside "
+                         "jax.shard_map (or jax.pmap) over that axis") from None
+    return Plan(None, NAME, float(delta), quantize, axis_name=axis_name, axis_size=int(size))
+
+
+def cost_model_on_axis(given: CostModel | None) -> CostModel:
+    """The model ``auto`` chooses with over a mesh axis: the one given, else the file named by
+    ``SPARCML_JAX_COST_MODEL``."""
+    if given is not None:
+        return given
+    path = os.environ.get(COST_MODEL_ENV)
+    if path:
+        return CostModel.load(path)
+    raise ValueError("algorithm='auto' over a mesh axis chooses with a cost model: pass cost_model= (for example "
+                     "CostModel.load(path) of `python -m sparcml_jax.bench calibrate --out FILE`), set "
+                     f"{COST_MODEL_ENV}, or name the algorithm (e.g. algorithm='ssar_split_allgather')")
+
+
+def same_everywhere(value: jax.Array, axis_name: Hashable, name: str) -> jax.Array:
+    """``value`` (an int32 scalar), checked to be the same on every device of the axis, typed as
+    such: a branch it decides then runs on every device alike."""
+    gathered = jax.lax.all_gather(value, axis_name, to="invarying")
+
+    def check(gathered: np.ndarray) -> np.ndarray:
+        gathered = np.asarray(gathered)
+        if np.any(gathered != gathered[0]):
+            raise ValueError(f"{name} differs between the devices of axis {axis_name!r} ({gathered.tolist()}); "
+                             "every device must carry the same state from step to step")
+        return np.zeros((), gathered.dtype)
+
+    return gathered[0] + jax.pure_callback(check, jax.ShapeDtypeStruct((), gathered.dtype), gathered)
+
+
+def choose(plan: Plan, algorithm: str, model: CostModel | None, size: int, capacity: int) -> str:
+    if algorithm != "auto":
+        return algorithm
+    if plan.nprocs == 1:
+        return "ssar_recursive_doubling"
+    (_, name), = choice_table(model, plan, size, capacity)  # static buffers: one choice, made while tracing
+    return name
+
+
+def allreduce(plan: Plan, algorithm: str, model: CostModel | None, stream: SparseStream,
+              key: jax.Array | None) -> tuple[SparseStream, AllreduceStats]:
+    name = choose(plan, algorithm, model, stream.size, stream.capacity)
+    t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name), key)
+    result = definition(name)(t, stream, **plan.options(name))
+    return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
+
+
+def allgather(plan: Plan, stream: SparseStream) -> tuple[SparseStream, AllreduceStats]:
+    t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name))
+    result = t.gather(stream)
+    return result, AllreduceStats(jnp.int32(-1), t.sent, result.nnz, jnp.int32(-1))

@@ -1,0 +1,239 @@
+"""The collectives over a mesh axis (``axis_name=``, XLA's collectives) inside a jitted
+``jax.shard_map`` on P = 1..8 forced CPU devices: every algorithm equals the plain sum, bit for bit
+on integer data, on every device; the global top-k algorithms are their numpy references
+(tests/global_topk_reference.py) with exact books; bad input raises a clear error.
+
+Spawned by tests/test_mesh_spawn.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sparcml_jax as sj
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
+from global_topk_reference import (gtopk_reference, initial_oktopk_state, oktopk_step_reference,  # noqa: E402
+                                   spardl_reference)
+
+AXIS = "data"
+SIZES = range(1, 9)
+# (size, capacity, density of the last device: device d has d + 1 / P of it): unequal counts,
+# every device empty, dense inputs that fill in, and a size that no P divides.
+CASES = ((1001, 300, 0.2), (64, 8, 0.0), (257, 257, 0.9))
+
+
+def on_mesh(p: int, fn, *per_device: np.ndarray, shared: tuple = ()):
+    """``fn(*rows, *shared)`` on each of ``p`` devices (row d of every ``per_device`` array on
+    device d), its results stacked by device."""
+    mesh = jax.make_mesh((p,), (AXIS,), devices=jax.devices()[:p])
+
+    def body(*args):
+        rows, rest = [a[0] for a in args[:len(per_device)]], args[len(per_device):]
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], fn(*rows, *rest))
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * len(per_device) + (P(),) * len(shared),
+                                out_specs=P(AXIS)))
+    placed = [jax.device_put(np.asarray(a), NamedSharding(mesh, P(AXIS))) for a in per_device]
+    return jax.tree.map(np.asarray, run(*placed, *shared))
+
+
+def integer_rows(p: int, n: int, density: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, p, n])
+    rows = rng.integers(-9, 10, (p, n)).astype(np.float32)
+    for d in range(p):
+        rows[d, rng.random(n) >= density * (d + 1) / p] = 0.0
+    return rows
+
+
+def identical_on_every_device(stacked) -> bool:
+    return all(np.array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape)) for leaf in jax.tree.leaves(stacked))
+
+
+@pytest.mark.parametrize("p", SIZES)
+@pytest.mark.parametrize("algorithm", sj.ALGORITHMS)
+def test_sparse_allreduce_is_the_sum_on_every_device(algorithm, p):
+    rows = [integer_rows(p, n, density, seed=1) for n, _, density in CASES]
+
+    def reduce_all(*xs):
+        out = []
+        for x, (_, capacity, _) in zip(xs, CASES):
+            total, stats = sj.sparse_allreduce(sj.from_dense(x, capacity=capacity), axis_name=AXIS,
+                                               algorithm=algorithm, return_stats=True)
+            out.append((total, total.to_dense(), stats))
+        return out
+
+    results = on_mesh(p, reduce_all, *rows)
+    for (total, dense, stats), x, case in zip(results, rows, CASES):
+        label = f"{algorithm} P={p} {case}"
+        assert identical_on_every_device((total, dense)), label
+        np.testing.assert_array_equal(dense[0], x.sum(axis=0), err_msg=label)
+        assert (stats.algorithm == sj.ALGORITHMS.index(algorithm)).all(), label
+        assert (stats.bytes_sent > 0).all() if p > 1 else (stats.bytes_sent == 0).all(), label
+
+
+def test_auto_chooses_with_the_given_model_and_is_exact():
+    p, (n, capacity, density) = 4, CASES[0]
+    rows = integer_rows(p, n, density, seed=2)
+    model = sj.CostModel(alpha=2e-5, beta=1e-9)
+
+    def auto(x):
+        return sj.sparse_allreduce(sj.from_dense(x, capacity=capacity), axis_name=AXIS, cost_model=model,
+                                   return_stats=True)
+
+    total, stats = on_mesh(p, auto, rows)
+    np.testing.assert_array_equal(sj.SparseStream(total.indices[0], total.values[0], total.nnz[0], n).to_dense(),
+                                  rows.sum(axis=0))
+    assert len(set(stats.algorithm.tolist())) == 1 and 0 <= stats.algorithm[0] < len(sj.ALGORITHMS)
+
+
+def test_quantized_dsar_decodes_the_same_bytes_on_every_device():
+    """QSGD on the dense allgather phase: constant ranges are exact, and every device holds the
+    same result."""
+    p, n = 3, 600
+    rows = np.full((p, n), 2.0, np.float32)
+
+    def quantized(x, key):
+        return sj.sparse_allreduce(sj.from_dense(x, capacity=n), axis_name=AXIS, algorithm="dsar_split_allgather",
+                                   quantize_bits=4, key=key, bucket_size=64).to_dense()
+
+    out = on_mesh(p, quantized, rows, shared=(jax.random.key(5),))
+    assert identical_on_every_device(out)
+    np.testing.assert_array_equal(out[0], rows.sum(axis=0))
+
+
+@pytest.mark.parametrize("p", (1, 3, 8))
+def test_sparse_allgather_and_dense_allreduce(p):
+    n = 40
+    rows = np.zeros((p, n), np.float32)
+    for d in range(p):
+        rows[d, d::8] = d + 1.0  # disjoint supports
+
+    def both(x):
+        return (sj.sparse_allgather(sj.from_dense(x, capacity=5), axis_name=AXIS).to_dense(),
+                sj.dense_allreduce(x, axis_name=AXIS))
+
+    gathered, summed = on_mesh(p, both, rows)
+    for out in (gathered, summed):
+        assert identical_on_every_device(out)
+        np.testing.assert_array_equal(out[0], rows.sum(axis=0))
+
+
+GLOBAL_TOPK = {"spardl": spardl_reference, "gtopk": gtopk_reference}
+GLOBAL_CASES = ((1001, 10), (1001, 0), (1001, 1001), (3, 2))
+
+
+def accumulators(p: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, p, n])
+    x = (rng.integers(1, 20, (p, n)) * rng.choice([-1, 1], (p, n))).astype(np.float32)
+    x[:, rng.random(n) < 0.3] = 0.0
+    return x
+
+
+def teams_of(p: int) -> list[int]:
+    return [g for g in range(1, p + 1) if p % g == 0]
+
+
+@pytest.mark.parametrize("p", SIZES)
+def test_global_topk_is_its_reference_with_exact_books(p):
+    runs = [(name, teams) for name in GLOBAL_TOPK for teams in (teams_of(p) if name == "spardl" else [1])]
+    inputs = [accumulators(p, n, seed=3) for n, _ in GLOBAL_CASES]
+
+    def every_run(*xs):
+        return [[sj.global_topk_allreduce(x, k, axis_name=AXIS, algorithm=name, teams=teams, return_stats=True)
+                 for x, (_, k) in zip(xs, GLOBAL_CASES)] for name, teams in runs]
+
+    results = on_mesh(p, every_run, *inputs)
+    for (name, teams), per_case in zip(runs, results):
+        for (total, residual, stats), xs, (n, k) in zip(per_case, inputs, GLOBAL_CASES):
+            label = f"{name} teams={teams} P={p} N={n} k={k}"
+            reference = spardl_reference(list(xs), k, teams) if name == "spardl" else gtopk_reference(list(xs), k)
+            want_total, want_support, want_residuals = reference
+            assert identical_on_every_device(total), label
+            got = sj.SparseStream(total.indices[0], total.values[0], total.nnz[0], n).to_dense()
+            np.testing.assert_array_equal(np.asarray(got), want_total, err_msg=label)
+            for d in range(p):
+                np.testing.assert_array_equal(residual[d], want_residuals[d], err_msg=f"{label} device {d}")
+            np.testing.assert_array_equal(np.asarray(got) + residual.sum(axis=0), xs.sum(axis=0), err_msg=label)
+            bound = k + p // teams if name == "spardl" else k
+            assert np.count_nonzero(np.asarray(got)) <= min(bound, n), label
+
+
+@pytest.mark.parametrize("p", (1, 2, 5, 8))
+def test_oktopk_carries_its_state_as_its_reference_does(p):
+    tau, tau_prime, n, k, steps = 3, 2, 1001, 10, 5
+    grads = [accumulators(p, n, seed=10 + s) for s in range(steps)]
+
+    def train(*gs):
+        state, residual, out = sj.init_oktopk_state(nprocs=p), jnp.zeros(n), []
+        for g in gs:
+            total, residual, state = sj.global_topk_allreduce(g + residual, k, axis_name=AXIS, algorithm="oktopk",
+                                                              oktopk_state=state, tau=tau, tau_prime=tau_prime)
+            out.append((total.to_dense(), residual, state))
+        return out
+
+    results = on_mesh(p, train, *grads)
+    want, residuals = initial_oktopk_state(p), [np.zeros(n, np.float32) for _ in range(p)]
+    for step, (total, residual, state) in enumerate(results):
+        xs = [g + r for g, r in zip(grads[step], residuals)]
+        want_total, _, residuals, want = oktopk_step_reference(xs, k, want, tau, tau_prime)
+        label = f"oktopk P={p} step {step}"
+        assert identical_on_every_device(total), label
+        np.testing.assert_array_equal(total[0], want_total, err_msg=label)
+        np.testing.assert_array_equal(residual, np.stack(residuals), err_msg=label)
+        np.testing.assert_array_equal(state.local_threshold, np.asarray(want["local"], np.float32), err_msg=label)
+        assert state.step[0] == want["step"] and state.global_threshold[0] == want["global"], label
+        np.testing.assert_array_equal(state.starts[0], np.asarray(want["starts"]), err_msg=label)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_an_invalid_stream_on_one_device_raises_on_every_device_naming_it():
+    p, n = 4, 50
+    rows = np.zeros((p, n), np.float32)
+    rows[2, :20] = 1.0  # 20 nonzeros on device 2 in a capacity of 8
+
+    def reduce(x):
+        return sj.sparse_allreduce(sj.from_dense(x, capacity=8), axis_name=AXIS, algorithm="ssar_split_allgather")
+
+    with pytest.raises(Exception, match="stream on device 2 of axis 'data': nnz=20 does not fit its capacity 8"):
+        on_mesh(p, reduce, rows)
+
+
+def test_devices_at_different_oktopk_steps_raise():
+    p, n = 2, 64
+    rows = np.ones((p, n), np.float32)
+    steps = np.arange(p, dtype=np.int32)
+
+    def reduce(x, step):
+        state = sj.init_oktopk_state(nprocs=p)._replace(step=step)
+        return sj.global_topk_allreduce(x, 4, axis_name=AXIS, algorithm="oktopk", oktopk_state=state)[0].to_dense()
+
+    with pytest.raises(Exception, match="oktopk_state.step differs between the devices of axis 'data'"):
+        on_mesh(p, reduce, rows, steps)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x: sj.sparse_allreduce(sj.from_dense(x, capacity=4), axis_name=AXIS, comm=object()),
+     "comm and axis_name are exclusive"),
+    (lambda x: sj.sparse_allreduce(sj.from_dense(x, capacity=4), axis_name=AXIS, transport="mpi4jax"),
+     "transport='mpi4jax' is an MPI transport"),
+    (lambda x: sj.sparse_allreduce(sj.from_dense(x, capacity=4), axis_name="model"),
+     "axis_name='model' names no mesh axis here"),
+    (lambda x: sj.sparse_allreduce(sj.from_dense(x, capacity=4), axis_name=AXIS),
+     "algorithm='auto' over a mesh axis chooses with a cost model"),
+    (lambda x: sj.global_topk_allreduce(x, 2, axis_name=AXIS, teams=3), "teams=3 must divide the number of ranks"),
+    (lambda x: sj.dense_allreduce(x, axis_name="model"), "axis_name='model' names no mesh axis here"),
+])
+def test_bad_arguments_name_themselves(call, match):
+    with pytest.raises(ValueError, match=match):
+        on_mesh(2, call, np.ones((2, 16), np.float32))
