@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,9 @@ from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.global_topk import OktopkState, global_topk_allreduce, init_oktopk_state
 from sparcml_jax.collectives.global_topk import check_options as check_global_topk_options
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
-from sparcml_jax.comm import check_transport, resolve_comm
+from sparcml_jax.collectives.group import Group, check_group
+from sparcml_jax.comm._compat import varying_axes
+from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax.stream import VALUE_DTYPE, SparseStream, dense_stream, resize
@@ -172,8 +174,8 @@ def sparsify(sparsifier: str | Sparsifier = "topk", *, density: float | None = N
             v = jnp.ravel(jnp.asarray(leaves[i], VALUE_DTYPE))
             stream = select(v, leaf_budget(v.shape[0], total, density, k), jax.random.fold_in(step_key, g))
             if warming is not None:
-                stream = jax.lax.cond(warming, lambda v=v: dense_stream(v),
-                                      lambda s=stream, n=v.shape[0]: resize(s, n))
+                stream = cond_varying(warming, lambda v=v: dense_stream(v), lambda s=stream, n=v.shape[0]: resize(s, n),
+                                      axes=varying_axes(v))
             out[i] = stream
         return jax.tree.unflatten(treedef, out), SparsifyState(state.count + 1, jax.random.key_data(key))
 
@@ -237,8 +239,8 @@ def sent_values(sent: Any, like: list) -> list:
     return [s.to_dense().reshape(jnp.shape(a)) if is_stream(s) else s for s, a in zip(leaves, like)]
 
 
-def reduce_streams(*, algorithm: str = "auto", transport: str = "native", comm: MPI.Comm | None = None,
-                   average: bool = True, quantize_bits: int | None = None, delta: float = 1.0,
+def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, comm: MPI.Comm | None = None,
+                   axis_name: Hashable | None = None, average: bool = True, quantize_bits: int | None = None, delta: float = 1.0,
                    bucket_size: int = 1024, quantize_scale: str = "max", cost_model: CostModel | None = None,
                    capacity: int | None = None, warmup_steps: int | jax.Array = 0, nonblocking: bool = False,
                    seed: int = 0) -> optax.GradientTransformation:
@@ -256,6 +258,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str = "native", comm: 
       algorithm, transport, delta, bucket_size, quantize_scale, cost_model: passed to
         :func:`sparcml_jax.sparse_allreduce`.
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      axis_name: instead of ``comm``: sum over this mesh axis, inside ``jax.shard_map``.
       average: divide the sum by the number of ranks.
       quantize_bits: QSGD bits (2, 4, 8) on DSAR's dense allgather phase.
       capacity: a bound on the nonzeros of a rank's dense fused buffer (see above).
@@ -281,13 +284,14 @@ def reduce_streams(*, algorithm: str = "auto", transport: str = "native", comm: 
         raise ValueError(f"quantize_bits needs algorithm 'auto' or 'dsar_split_allgather', got {algorithm!r}")
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
-    check_transport(transport)
+    check_group(comm, axis_name, transport)
     check_warmup(warmup_steps)
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
-    if nonblocking and (transport != "native" or capacity is not None):
-        raise ValueError("nonblocking reductions run on the non-blocking engine: it needs transport='native' and "
-                         f"does not support capacity (got transport={transport!r}, capacity={capacity!r})")
+    if nonblocking and (transport not in (None, "native") or capacity is not None or axis_name is not None):
+        raise ValueError("nonblocking reductions run on the non-blocking engine: it needs transport='native' over "
+                         f"MPI and does not support capacity (got transport={transport!r}, capacity={capacity!r}, "
+                         f"axis_name={axis_name!r})")
     collective = dict(algorithm=algorithm, transport=transport, delta=delta, bucket_size=bucket_size,
                       quantize_scale=quantize_scale, cost_model=cost_model)
 
@@ -298,24 +302,25 @@ def reduce_streams(*, algorithm: str = "auto", transport: str = "native", comm: 
 
     def update_fn(updates, state, params=None):
         del params
-        the_comm = resolve_comm(comm)
-        nprocs = the_comm.Get_size()
+        group = Group.of(comm, axis_name)
+        nprocs = group.size
         dense, fused, given = updates.parts() if hasattr(updates, "parts") else _parts(updates)
         key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
         warming = warming_up(state.count, warmup_steps)
-        reduced_dense = dense_sum(dense, the_comm, average)
-        pending = [_prepare(x, warming, capacity, the_comm) for x in fused]
-        options = [dict(collective, quantize_bits=quantize_bits, key=jax.random.fold_in(step_key, g))
-                   for g in range(len(fused))] + [dict(collective, quantize_bits=None)] * len(given)
+        reduced_dense = dense_sum(dense, group, average)
+        pending = [_prepare(x, warming, capacity, group) for x in fused]
+        on_group = dict(collective, transport=group.transport(transport))
+        options = [dict(on_group, quantize_bits=quantize_bits, key=jax.random.fold_in(step_key, g))
+                   for g in range(len(fused))] + [dict(on_group, quantize_bits=None)] * len(given)
         streams = [stream for stream, _ in pending] + list(given)
         send_dense = [dense_when for _, dense_when in pending] + [None] * len(given)
         vectors = list(fused) + [None] * len(given)
         if nonblocking:
-            handles = [sparse_allreduce_start(s, comm=the_comm, **{n: v for n, v in o.items() if n != "transport"})
+            handles = [sparse_allreduce_start(s, comm=group.comm, **{n: v for n, v in o.items() if n != "transport"})
                        for s, o in zip(streams, options)]
             results = [(*sparse_allreduce_wait(h, return_stats=True), None) for h in handles]
         else:
-            results = [_reduce_one(s, v, when, the_comm, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
+            results = [_reduce_one(s, v, when, group, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
         out = [_averaged(r, nprocs, average) for r, _, _ in results]
         stats = _stats(streams, results, len(fused), warming)
         new_state = ReduceState(state.count + 1, jax.random.key_data(key), stats)
@@ -338,14 +343,14 @@ def _replace_parts(tree: Any, dense: list, streams: list) -> Any:
     return jax.tree.unflatten(treedef, [next(streams) if is_stream(x) else next(dense) for x in leaves])
 
 
-def dense_sum(leaves: list, comm: MPI.Comm, average: bool) -> list:
+def dense_sum(leaves: list, group: Group, average: bool) -> list:
     """The dense leaves summed in one dense allreduce, back in their shapes and dtypes."""
     if not leaves:
         return []
     flat = jnp.concatenate([jnp.ravel(jnp.asarray(x, VALUE_DTYPE)) for x in leaves])
-    nprocs = comm.Get_size()
+    nprocs = group.size
     if nprocs > 1:
-        flat = dense_allreduce(flat, comm=comm)
+        flat = dense_allreduce(flat, **group.where)
         flat = flat / nprocs if average else flat
     return split_like(flat, [(jnp.shape(x), jnp.result_type(x)) for x in leaves])
 
@@ -360,37 +365,37 @@ def split_like(flat: jax.Array, like: list[tuple[tuple[int, ...], Any]]) -> list
     return out
 
 
-def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, comm: MPI.Comm):
+def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Group):
     """The stream a fused buffer travels as, and when (if ever) it travels dense instead."""
     if is_stream(x):
         return x, None
     n = x.shape[0]
     if capacity is not None and capacity < n:
         stream, count = from_dense_counted(x, capacity)
-        too_many = _max_over_ranks(count, comm) > capacity
+        too_many = group.max(count) > capacity
         return stream, too_many if warming is None else too_many | warming
     stream = from_dense(x, capacity=n)
     if warming is not None:
-        stream = jax.lax.cond(warming, lambda: dense_stream(x), lambda: stream)
+        stream = group.cond(warming, lambda: dense_stream(x), lambda: stream)
     return stream, None
 
 
-def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.Array | None, comm: MPI.Comm,
+def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.Array | None, group: Group,
                 options: dict) -> tuple[Any, Any, jax.Array | None]:
     """(sum, its AllreduceStats, whether it went dense); with ``send_dense`` the sum is dense."""
     if send_dense is None:
-        return (*sparse_allreduce(stream, comm=comm, return_stats=True, **options), None)
-    nprocs, n = comm.Get_size(), vector.shape[0]
+        return (*sparse_allreduce(stream, **group.where, return_stats=True, **options), None)
+    nprocs, n = group.size, vector.shape[0]
 
     def dense_path():
         sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
-        return dense_allreduce(vector, comm=comm), jnp.float32(n), sent, jnp.int32(SENT_DENSE)
+        return dense_allreduce(vector, **group.where), jnp.float32(n), sent, jnp.int32(SENT_DENSE)
 
     def sparse_path():
-        reduced, stats = sparse_allreduce(stream, comm=comm, return_stats=True, **options)
+        reduced, stats = sparse_allreduce(stream, **group.where, return_stats=True, **options)
         return reduced.to_dense(), stats.result_nnz.astype(jnp.float32), stats.bytes_sent, stats.algorithm
 
-    total, nnz, sent, code = jax.lax.cond(send_dense, dense_path, sparse_path)
+    total, nnz, sent, code = group.cond(send_dense, dense_path, sparse_path)
     return total, _Counted(nnz, sent, code), send_dense
 
 
@@ -444,7 +449,8 @@ class GlobalTopkState(NamedTuple):
 
 def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, algorithm: str = "spardl",
                        density: float | None = None, k: int | None = None, error_feedback: bool = True,
-                       transport: str = "native", comm: MPI.Comm | None = None, average: bool = True,
+                       transport: str | None = None, comm: MPI.Comm | None = None,
+                       axis_name: Hashable | None = None, average: bool = True,
                        delta: float = 1.0, warmup_steps: int | jax.Array = 0, teams: int = 1,
                        tau: int = 128, tau_prime: int = 64) -> optax.GradientTransformation:
     r"""Error feedback around a global top-k allreduce (SparDL, Ok-Topk, gTop-k), in one stage.
@@ -479,6 +485,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
       error_feedback: keep the residual and add it to the next gradient (else it is dropped).
       transport, delta: passed to :func:`sparcml_jax.global_topk_allreduce`.
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      axis_name: instead of ``comm``: sum over this mesh axis, inside ``jax.shard_map`` (call
+        ``init`` there too for Ok-Topk, whose state depends on the axis size).
       average: divide the sum by the number of ranks.
       warmup_steps: for the first steps every buffer is summed dense and nothing is held back.
       teams: SparDL's teams G (must divide the number of ranks), passed to
@@ -502,7 +510,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
     check_budget(density, k)
     if density is None and k is None:
         raise ValueError(f"algorithm={algorithm!r} needs density or k (the size of the global result)")
-    check_transport(transport)
+    check_group(comm, axis_name, transport)
     check_warmup(warmup_steps)
     check_global_topk_options(algorithm, teams, tau, tau_prime)
     code = len(ALGORITHMS) + GLOBAL_TOPK_ALGORITHMS.index(algorithm)
@@ -522,13 +530,15 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         carried = ()
         if algorithm == "oktopk":
             fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
-            carried = tuple(init_oktopk_state(comm) for _ in fused)
+            nprocs = Group.of(comm, axis_name).size
+            carried = tuple(init_oktopk_state(nprocs=nprocs) for _ in fused)
         stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
         return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
 
     def update_fn(updates, state, params=None):
-        the_comm = resolve_comm(comm)
-        nprocs = the_comm.Get_size()
+        group = Group.of(comm, axis_name)
+        nprocs = group.size
+        on_group = dict(collective_options, transport=group.transport(transport))
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
         if error_feedback:
             residual, residual_def = jax.tree.flatten(state.residual)
@@ -537,12 +547,15 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
         dense, fused, given = _buffers(packed)
         warming = warming_up(state.count, warmup_steps)
-        summed = [_global_topk_sum(x, kb, carried, warming, the_comm, collective_options, code)
+        summed = [_global_topk_sum(x, kb, carried, warming, group, on_group, code)
                   for x, kb, carried in zip(fused, budgets(fused), state.oktopk or [None] * len(fused))]
-        exact = [_reduce_one(s, None, None, the_comm, dict(options, algorithm="auto")) for s in given]
+        # Exact sums of the gradient's streams; over a mesh axis, without a cost model, SSAR_Split_allgather.
+        exact_algorithm = "auto" if axis_name is None else "ssar_split_allgather"
+        exact = [_reduce_one(s, None, None, group, dict(options, algorithm=exact_algorithm,
+                                                        transport=group.transport(transport))) for s in given]
         out_fused = [_averaged(total, nprocs, average) for total, *_ in summed]
         out_given = [_averaged(total, nprocs, average) for total, *_ in exact]
-        reduced_dense = dense_sum(dense, the_comm, average)
+        reduced_dense = dense_sum(dense, group, average)
         counts = [(nnz, sent, c) for _, _, _, nnz, sent, c in summed] + [
             (st.result_nnz.astype(jnp.float32), st.bytes_sent, st.algorithm) for _, st, _ in exact]
         stats = _gathered_stats(counts, [x.shape[0] for x in fused] + [s.size for s in given], len(fused))
@@ -581,26 +594,26 @@ def _unpacked(packed: Any, dense: list, fused: list, given: list, treedef: Any, 
     return [x if is_stream(x) else x.reshape(jnp.shape(like)) for x, like in zip(out, leaves)]
 
 
-def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | None, comm: MPI.Comm,
+def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | None, group: Group,
                      options: dict, code: int) -> tuple:
     """(sum, this rank's residual, carried state, result nnz, bytes sent, algorithm code) of one
     buffer; while ``warming`` the buffer is summed dense and nothing is held back."""
 
     def global_topk():
         if carried is None:
-            total, residual, stats = global_topk_allreduce(x, k, comm=comm, return_stats=True, **options)
+            total, residual, stats = global_topk_allreduce(x, k, **group.where, return_stats=True, **options)
             state = None
         else:
-            total, residual, state, stats = global_topk_allreduce(x, k, comm=comm, oktopk_state=carried,
+            total, residual, state, stats = global_topk_allreduce(x, k, **group.where, oktopk_state=carried,
                                                                   return_stats=True, **options)
         return total, residual, state, stats.result_nnz.astype(jnp.float32), stats.bytes_sent, jnp.int32(code)
 
     if warming is None:
         return global_topk()
-    nprocs, n = comm.Get_size(), x.shape[0]
+    nprocs, n = group.size, x.shape[0]
 
     def dense_path():
-        total = dense_allreduce(x, comm=comm) if nprocs > 1 else x
+        total = dense_allreduce(x, **group.where) if nprocs > 1 else x
         sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
         return total, jnp.zeros_like(x), carried, jnp.float32(n), sent, jnp.int32(SENT_DENSE)
 
@@ -608,7 +621,7 @@ def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | No
         total, *rest = global_topk()
         return (total.to_dense(), *rest)
 
-    return jax.lax.cond(warming, dense_path, sparse_path)
+    return group.cond(warming, dense_path, sparse_path)
 
 
 def _gathered_stats(counts: list[tuple], sizes: list[int], fused: int) -> GradientStats:
@@ -678,8 +691,3 @@ def leaf_budget(n: int, total: int, density: float | None, k: int | None) -> int
     share = math.ceil(density * n) if density is not None else round(k * n / max(total, 1))
     return max(1, min(n, share))
 
-
-def _max_over_ranks(x: jax.Array, comm: MPI.Comm) -> jax.Array:
-    import mpi4jax
-
-    return mpi4jax.allreduce(x, op=MPI.MAX, comm=comm) if comm.Get_size() > 1 else x

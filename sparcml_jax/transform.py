@@ -10,7 +10,7 @@ leaf, or DDP-style buckets), and leaves that already are streams are summed exac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives import ALGORITHMS, CostModel
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
-from sparcml_jax.comm import resolve_comm
+from sparcml_jax.collectives.group import Group
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax import stages
@@ -205,8 +205,9 @@ def allreduce_gradients(
     error_feedback: bool = True,
     quantize_bits: int | None = None,
     algorithm: str = "auto",
-    transport: str = "native",
+    transport: str | None = None,
     comm: MPI.Comm | None = None,
+    axis_name: Hashable | None = None,
     average: bool = True,
     warmup_steps: int | None = None,
     min_size: int | None = None,
@@ -257,6 +258,11 @@ def allreduce_gradients(
         :func:`sparcml_jax.sparse_allreduce` (``transport`` and ``delta`` also to
         :func:`sparcml_jax.global_topk_allreduce`).
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
+      axis_name: instead of ``comm``, for a train step inside ``jax.shard_map`` (or
+        ``jax.pmap``): sum over the devices of this mesh axis with XLA's collectives, in place of
+        ``jax.lax.pmean(grads, axis_name)``. ``algorithm="auto"`` then needs ``cost_model`` (or
+        ``SPARCML_JAX_COST_MODEL``); the updates are identical on every device (typed as varying
+        over the axis: return them with ``check_vma=False``).
       average: divide the sum by the number of ranks.
       warmup_steps: send dense for the first steps (default 0).
       min_size: leaves with fewer entries travel in one dense allreduce (default 1024).
@@ -322,17 +328,19 @@ def allreduce_gradients(
                            buckets=buckets)
         return _with_param_checks(optax.chain(global_topk_reduce(
             fuse_leaves(min_size=min_size, fuse=fuse), algorithm=algorithm, density=density, k=k,
-            error_feedback=error_feedback, transport=transport, comm=comm, average=average,
+            error_feedback=error_feedback, transport=transport, comm=comm, axis_name=axis_name, average=average,
             delta=1.0 if delta is None else _static(delta, "delta"), warmup_steps=warmup_steps,
             teams=1 if teams is None else teams, tau=128 if tau is None else tau,
             tau_prime=64 if tau_prime is None else tau_prime), densify()))
     if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
         raise ValueError(f"buckets must be a positive int or None, got {buckets!r}")
-    if buckets is not None and (transport != "native" or capacity is not None):
-        raise ValueError("buckets run on the non-blocking engine: it needs transport='native' and does not "
-                         f"support capacity (got transport={transport!r}, capacity={capacity!r})")
+    if buckets is not None and (transport not in (None, "native") or capacity is not None or axis_name is not None):
+        raise ValueError("buckets run on the non-blocking engine: it needs transport='native' over MPI and does not "
+                         f"support capacity (got transport={transport!r}, capacity={capacity!r}, "
+                         f"axis_name={axis_name!r})")
     reduce = reduce_streams(
-        algorithm=algorithm, transport=transport, comm=comm, average=average, quantize_bits=quantize_bits,
+        algorithm=algorithm, transport=transport, comm=comm, axis_name=axis_name, average=average,
+        quantize_bits=quantize_bits,
         delta=1.0 if delta is None else _static(delta, "delta"), quantize_scale=quantize_scale,
         bucket_size=1024 if bucket_size is None else _static(bucket_size, "bucket_size"), cost_model=cost_model,
         capacity=capacity, warmup_steps=warmup_steps, nonblocking=buckets is not None, seed=seed)
@@ -392,8 +400,10 @@ def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact:
     return first, ReduceState(old.step, old.key, old.stats), optax.EmptyState()
 
 
-def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, average: bool = True) -> optax.GradientTransformation:
-    """The baseline: every gradient leaf summed (or averaged) by a dense MPI_Allreduce via mpi4jax.
+def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, axis_name: Hashable | None = None,
+                              average: bool = True) -> optax.GradientTransformation:
+    """The baseline: every gradient leaf summed (or averaged) by a dense MPI_Allreduce via mpi4jax
+    (with ``axis_name``, inside ``jax.shard_map``: ``jax.lax.psum`` over that mesh axis).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -407,7 +417,7 @@ def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, average: bool = T
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates)
-        return jax.tree.unflatten(treedef, dense_sum(leaves, resolve_comm(comm), average)), state
+        return jax.tree.unflatten(treedef, dense_sum(leaves, Group.of(comm, axis_name), average)), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
