@@ -20,6 +20,7 @@ import numpy as np
 from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, Quantization, definition
 from sparcml_jax.collectives.auto import COST_MODEL_ENV, choice_table
 from sparcml_jax.collectives.cost_model import CostModel
+from sparcml_jax.collectives.group import check_group
 from sparcml_jax.comm.xla_transport import NAME, XlaTransport, agree
 from sparcml_jax.stream import SparseStream
 
@@ -27,12 +28,7 @@ from sparcml_jax.stream import SparseStream
 def axis_plan(axis_name: Hashable, comm: Any, transport: str | None, delta: float,
               quantize: Quantization | None = None) -> Plan:
     """The plan of a call over ``axis_name``; raises ValueError naming the argument otherwise."""
-    if comm is not None:
-        raise ValueError("comm and axis_name are exclusive: pass comm= to sum across MPI ranks, or axis_name= "
-                         "inside jax.shard_map over a mesh axis, not both")
-    if transport not in (None, NAME):
-        raise ValueError(f"transport={transport!r} is an MPI transport; over a mesh axis the collective runs on "
-                         f"XLA's collectives: leave transport=None (or pass {NAME!r})")
+    check_group(comm, axis_name, transport)
     try:
         size = jax.lax.axis_size(axis_name)
     except NameError:

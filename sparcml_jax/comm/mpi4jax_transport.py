@@ -49,21 +49,7 @@ class Mpi4jaxTransport(StaticBuffers):
         """``agreed``: the agreement step's result (the largest nnz over ranks)."""
         self.comm, self.delta, self.size = comm, delta, size
         self.rank, self.nprocs = comm.Get_rank(), comm.Get_size()
-        self.agreed, self.key = agreed, key
-        self.sent = jnp.float32(0)
-        self.dense_round = jnp.int32(-1)
-        self._round = 0
-
-    def _checked(self, s: SparseStream) -> SparseStream:
-        """``s`` through the agreement's result (the condition never holds: no count is negative)."""
-        return SparseStream(s.indices, s.values, jnp.where(self.agreed < 0, 0, s.nnz), s.size)
-
-    def _after(self, took_part: bool, is_dense, sent: float) -> None:
-        if took_part:
-            first = (self.dense_round < 0) & is_dense
-            self.dense_round = jnp.where(first, jnp.int32(self._round), self.dense_round)
-        self.sent = self.sent + jnp.float32(sent)
-        self._round += 1
+        self._begin(agreed, key)
 
     # --------------------------------------------------------------------------- point to point
 

@@ -66,9 +66,23 @@ class StaticBuffers:
     def _cond(self, pred, true_fun, false_fun, *operands):
         return cond_varying(pred, true_fun, false_fun, *operands, axes=self.axes)
 
+    def _begin(self, agreed: jax.Array, key: jax.Array | None) -> None:
+        """``agreed``: the agreement step's result, which every stream this rank validates passes through."""
+        self.agreed, self.key = agreed, key
+        self.sent = jnp.float32(0)
+        self.dense_round = jnp.int32(-1)
+        self._round = 0
+
     def _checked(self, s: SparseStream) -> SparseStream:
-        """``s`` once it may be validated (the mpi4jax transport: after the agreement)."""
-        return s
+        """``s`` through the agreement's result (the condition never holds: no count is negative)."""
+        return SparseStream(s.indices, s.values, jnp.where(self.agreed < 0, 0, s.nnz), s.size)
+
+    def _after(self, took_part, is_dense, sent) -> None:
+        """Counts a round: its bytes, and whether this rank's data turned dense in it."""
+        first = (self.dense_round < 0) & took_part & is_dense
+        self.dense_round = jnp.where(first, jnp.int32(self._round), self.dense_round)
+        self.sent = self.sent + jnp.asarray(sent, jnp.float32)
+        self._round += 1
 
     def _compact(self, size: int, capacity: int) -> bool:
         """Once the buffers can hold the dense vector, a message of n int32 slots carries either

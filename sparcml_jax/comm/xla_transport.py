@@ -107,19 +107,7 @@ class XlaTransport(StaticBuffers):
         self.axis, self.nprocs, self.delta, self.size = axis_name, nprocs, delta, size
         self.axes = frozenset([axis_name])
         self.rank = jax.lax.axis_index(axis_name)
-        self.checked, self.key = checked, key
-        self.sent = jnp.float32(0)
-        self.dense_round = jnp.int32(-1)
-        self._round = 0
-
-    def _checked(self, s: SparseStream) -> SparseStream:
-        return SparseStream(s.indices, s.values, jnp.where(self.checked < 0, 0, s.nnz), s.size)
-
-    def _after(self, took_part, is_dense, sent) -> None:
-        first = (self.dense_round < 0) & took_part & is_dense
-        self.dense_round = jnp.where(first, jnp.int32(self._round), self.dense_round)
-        self.sent = self.sent + jnp.asarray(sent, jnp.float32)
-        self._round += 1
+        self._begin(checked, key)
 
     def _delta_for(self, s: SparseStream) -> float:
         """SparCML's switch on streams over the whole vector; a slot's stream stays pairs."""
