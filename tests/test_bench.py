@@ -1,6 +1,7 @@
 """The benchmark CLI runs end to end and writes well-formed rows (no timing assertions)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from mpi_spawn import run_under_mpirun
 
-from sparcml_jax import CostModel
+from sparcml_jax import ALGORITHMS, CostModel
 from sparcml_jax.bench.allreduce import SPARCML_BESIDE_GLOBAL_TOPK
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 
@@ -93,6 +94,31 @@ def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):
     assert rows and all(ROW_KEYS <= set(r) and r["calls_per_sample"] == 3 for r in rows)
     assert {r["chosen"] for r in rows if r["algorithm"] == "auto"} <= {"ssar_recursive_doubling", "ssar_split_allgather",
                                                                      "dsar_split_allgather", "sparse_ring", "dense"}
+
+
+def test_axis_benchmark_on_forced_devices(tmp_path):
+    """``bench axis`` on 2 forced CPU devices (its own process: here JAX started with 1): every
+    algorithm and auto (with the model given) beside psum, with the global top-k ones asked for."""
+    out, model_file = tmp_path / "axis.json", tmp_path / "model.json"
+    CostModel(alpha=2e-5, beta=1e-9).save(str(model_file))
+    cmd = [sys.executable, "-m", "sparcml_jax.bench", "axis", "--devices", "2", "--sizes", "4096", "--densities",
+           "0.01", "--reps", "2", "--cost-model", str(model_file), "--global-topk", "spardl", "--json", str(out)]
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    result = subprocess.run(cmd, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=180,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "a message between them is a memory copy" in result.stdout and "vs psum" in result.stdout
+    rows = json.loads(out.read_text())
+    assert [r["algorithm"] for r in rows] == ["psum", *ALGORITHMS, "auto", "spardl"]
+    for r in rows:
+        assert (r["N"], r["density"], r["support"], r["D"], r["processes"]) == (4096, 0.01, "uniform", 2, 1)
+        assert 0 < r["min"] <= r["median"] <= r["max"] and r["ratio_to_psum"] > 0
+        if r["algorithm"] == "psum":
+            assert r["ratio_to_psum"] == 1 and r["bytes_sent_max"] is None
+        else:  # each device sent something; the result holds at least one device's 41 entries
+            assert r["bytes_sent_max"] > 0 and 41 <= r["result_density"] * 4096 <= 4096, r
+        assert (r["chosen"] in ALGORITHMS) == (r["algorithm"] == "auto")
+        assert (r["auto_over_best_fixed"] is not None) == (r["algorithm"] == "auto")
 
 
 def test_quick_overlap_benchmark(tmp_path):
