@@ -249,7 +249,7 @@ def np_coalesce(idx, val, size, capacity=None, delta=1.0):
     return padded(support, dense[support], size, capacity)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
     size=st.integers(0, 40),
     pairs=st.integers(0, 60),

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
-from _util import COMM, NPROCS, RANK, TRANSPORTS, check_identical_on_all_ranks, expect_error_everywhere, run_and_agree
+from _util import (COMM, GLOBAL_TOPK_ERROR_TRANSPORTS, GLOBAL_TOPK_TRANSPORTS, NPROCS, RANK, check_identical_on_all_ranks,
+                   expect_error_everywhere, run_and_agree)
 
 from sparcml_jax import GLOBAL_TOPK_ALGORITHMS, SparseStream, global_topk_allreduce
 from sparcml_jax.collectives.global_topk import init_oktopk_state
@@ -71,7 +72,7 @@ def simulated_bytes(algorithm: str, transport: str, xs: list[np.ndarray], k: int
     return float(np.float32(t.sent[RANK]) + np.float32(balancing))
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
 @pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
 def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
     def body():
@@ -103,7 +104,7 @@ def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
     run_and_agree(body, f"global top-k {algorithm}/{transport}")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
 def test_spardl_in_teams_is_its_reference(transport):
     """SparDL's Spar-All-Gather with the smallest and the largest G > 1 that divide P (the
     simulated tests take every G): the reference's result and residuals, exact books, at most
@@ -137,7 +138,7 @@ def test_spardl_in_teams_is_its_reference(transport):
     run_and_agree(body, f"spardl in teams ({transport})")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", GLOBAL_TOPK_ERROR_TRANSPORTS)
 def test_bad_arguments_raise_on_every_rank(transport):
     x = jnp.ones(64)
     expect_error_everywhere(
@@ -163,7 +164,7 @@ def test_a_stream_is_not_an_accumulator():
     expect_error_everywhere(lambda: global_topk_allreduce(s, 2), "pass stream.to_dense()", "a SparseStream as x")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
 def test_error_feedback_inside_jit_keeps_the_books_over_steps(transport):
     """The residual carried from step to step inside a jitted step: after every step the result
     plus the residuals is the sum of every gradient so far."""
@@ -188,7 +189,7 @@ def test_error_feedback_inside_jit_keeps_the_books_over_steps(transport):
     run_and_agree(body, f"error feedback in jit ({transport})")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
 def test_oktopk_carries_its_state_as_its_reference_does(transport):
     """Ok-Topk over steps with its state: thresholds re-evaluated every third step and carried
     (and moved) in between, regions re-balanced every second; every step is the reference's,
@@ -229,7 +230,7 @@ def test_oktopk_carries_its_state_as_its_reference_does(transport):
     run_and_agree(body, f"oktopk with state ({transport})")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", GLOBAL_TOPK_ERROR_TRANSPORTS)
 def test_oktopk_state_errors_raise_on_every_rank(transport):
     x, state = jnp.ones(64), init_oktopk_state()
     expect_error_everywhere(lambda: global_topk_allreduce(x, 8, algorithm="spardl", oktopk_state=state,

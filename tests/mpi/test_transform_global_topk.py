@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, RANK, run_and_agree
+from _util import COMM, RANK, run_and_agree, training_checks
 
 tree_get = optax.tree_utils.tree_get
 
@@ -27,6 +27,7 @@ def _flat(tree):
     return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
 
 
+@training_checks
 def test_identical_parameters_after_every_step():
     def check():
         failures = []

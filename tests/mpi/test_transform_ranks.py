@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, RANK, run_and_agree
+from _util import COMM, RANK, run_and_agree, training_checks
 
 
 def _params():
@@ -28,6 +28,7 @@ def _identical_everywhere(tree, what):
     return [] if np.array_equal(mine, first) else [f"{what}: rank differs from rank 0"]
 
 
+@training_checks
 def test_identical_parameters_after_every_step():
     def check():
         failures = []
