@@ -88,6 +88,22 @@ class CostModel:
 
         return cls(*measure(comm), select_cost=measure_select_cost(comm))
 
+    @classmethod
+    def calibrate_on_axis(cls, mesh, axis_name) -> "CostModel":
+        """Measures the model over the devices of ``axis_name`` of ``mesh`` (a
+        :class:`jax.sharding.Mesh`), for ``algorithm="auto"`` with ``axis_name=``: messages are
+        ``ppermute``, the dense allreduce is ``psum``. Call it outside ``jax.shard_map``, on
+        every process of the mesh (see :mod:`sparcml_jax.collectives.calibrate_on_axis`).
+
+        Example (on forced CPU devices, ``--xla_force_host_platform_device_count=4``):
+          >>> import jax, sparcml_jax
+          >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+          >>> model = sparcml_jax.CostModel.calibrate_on_axis(mesh, "data")  # doctest: +SKIP
+        """
+        from sparcml_jax.collectives.calibrate_on_axis import measure_on_axis
+
+        return cls(*measure_on_axis(mesh, axis_name))
+
     def save(self, path: str) -> None:
         """Writes the model as JSON (``SPARCML_JAX_COST_MODEL`` names such a file)."""
         with open(path, "w") as f:

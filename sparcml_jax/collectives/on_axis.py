@@ -46,7 +46,8 @@ def cost_model_on_axis(given: CostModel | None) -> CostModel:
     if path:
         return CostModel.load(path)
     raise ValueError("algorithm='auto' over a mesh axis chooses with a cost model: pass cost_model= (for example "
-                     "CostModel.load(path) of `python -m sparcml_jax.bench calibrate --out FILE`), set "
+                     "CostModel.calibrate_on_axis(mesh, axis_name) outside the shard_map, or CostModel.load(path) of "
+                     "`python -m sparcml_jax.bench calibrate --axis NAME --out FILE`), set "
                      f"{COST_MODEL_ENV}, or name the algorithm (e.g. algorithm='ssar_split_allgather')")
 
 

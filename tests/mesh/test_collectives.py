@@ -15,84 +15,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import sparcml_jax as sj
+from _util import AXIS, accumulators, identical_on_every_device, integer_rows, on_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from global_topk_reference import (gtopk_reference, initial_oktopk_state, oktopk_step_reference,  # noqa: E402
                                    spardl_reference)
 
-AXIS = "data"
 SIZES = range(1, 9)
-# (size, capacity, density of the last device: device d has d + 1 / P of it): unequal counts,
-# every device empty, dense inputs that fill in, and a size that no P divides.
-CASES = ((1001, 300, 0.2), (64, 8, 0.0), (257, 257, 0.9))
-
-
-def on_mesh(p: int, fn, *per_device: np.ndarray, shared: tuple = ()):
-    """``fn(*rows, *shared)`` on each of ``p`` devices (row d of every ``per_device`` array on
-    device d), its results stacked by device."""
-    mesh = jax.make_mesh((p,), (AXIS,), devices=jax.devices()[:p])
-
-    def body(*args):
-        rows, rest = [a[0] for a in args[:len(per_device)]], args[len(per_device):]
-        return jax.tree.map(lambda a: jnp.asarray(a)[None], fn(*rows, *rest))
-
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * len(per_device) + (P(),) * len(shared),
-                                out_specs=P(AXIS)))
-    placed = [jax.device_put(np.asarray(a), NamedSharding(mesh, P(AXIS))) for a in per_device]
-    return jax.tree.map(np.asarray, run(*placed, *shared))
-
-
-def integer_rows(p: int, n: int, density: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, p, n])
-    rows = rng.integers(-9, 10, (p, n)).astype(np.float32)
-    for d in range(p):
-        rows[d, rng.random(n) >= density * (d + 1) / p] = 0.0
-    return rows
-
-
-def identical_on_every_device(stacked) -> bool:
-    return all(np.array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape)) for leaf in jax.tree.leaves(stacked))
+# (size, capacity, density of the last device, support): unequal counts (device d has d + 1 / P of
+# the density), every device empty, dense inputs that fill in, a size that no P divides, and the
+# same support on every device.
+CASES = ((1001, 300, 0.2, "random"), (64, 8, 0.0, "random"), (257, 257, 0.9, "random"), (300, 120, 0.3, "identical"))
+# Latency-bound: auto picks by the number of rounds more than by the bytes.
+MODEL = sj.CostModel(alpha=2e-5, beta=1e-9)
 
 
 @pytest.mark.parametrize("p", SIZES)
-@pytest.mark.parametrize("algorithm", sj.ALGORITHMS)
+@pytest.mark.parametrize("algorithm", [*sj.ALGORITHMS, "auto"])
 def test_sparse_allreduce_is_the_sum_on_every_device(algorithm, p):
-    rows = [integer_rows(p, n, density, seed=1) for n, _, density in CASES]
+    rows = [integer_rows(p, n, density, seed=1, support=support) for n, _, density, support in CASES]
 
     def reduce_all(*xs):
         out = []
-        for x, (_, capacity, _) in zip(xs, CASES):
+        for x, (_, capacity, _, _) in zip(xs, CASES):
             total, stats = sj.sparse_allreduce(sj.from_dense(x, capacity=capacity), axis_name=AXIS,
-                                               algorithm=algorithm, return_stats=True)
+                                               algorithm=algorithm, cost_model=MODEL, return_stats=True)
             out.append((total, total.to_dense(), stats))
         return out
 
     results = on_mesh(p, reduce_all, *rows)
     for (total, dense, stats), x, case in zip(results, rows, CASES):
         label = f"{algorithm} P={p} {case}"
-        assert identical_on_every_device((total, dense)), label
+        assert identical_on_every_device((total, dense, stats.algorithm)), label
         np.testing.assert_array_equal(dense[0], x.sum(axis=0), err_msg=label)
-        assert (stats.algorithm == sj.ALGORITHMS.index(algorithm)).all(), label
+        if algorithm == "auto":
+            assert 0 <= stats.algorithm[0] < len(sj.ALGORITHMS), label
+        else:
+            assert (stats.algorithm == sj.ALGORITHMS.index(algorithm)).all(), label
         assert (stats.bytes_sent > 0).all() if p > 1 else (stats.bytes_sent == 0).all(), label
 
 
-def test_auto_chooses_with_the_given_model_and_is_exact():
-    p, (n, capacity, density) = 4, CASES[0]
-    rows = integer_rows(p, n, density, seed=2)
-    model = sj.CostModel(alpha=2e-5, beta=1e-9)
-
-    def auto(x):
-        return sj.sparse_allreduce(sj.from_dense(x, capacity=capacity), axis_name=AXIS, cost_model=model,
-                                   return_stats=True)
-
-    total, stats = on_mesh(p, auto, rows)
-    np.testing.assert_array_equal(sj.SparseStream(total.indices[0], total.values[0], total.nnz[0], n).to_dense(),
-                                  rows.sum(axis=0))
-    assert len(set(stats.algorithm.tolist())) == 1 and 0 <= stats.algorithm[0] < len(sj.ALGORITHMS)
+def test_cost_model_calibrated_on_the_axis_drives_auto():
+    p = 3
+    mesh = jax.make_mesh((p,), (AXIS,), devices=jax.devices()[:p])
+    model = sj.CostModel.calibrate_on_axis(mesh, AXIS)
+    assert all(term > 0 for term in (model.alpha, model.beta, model.dense_beta, model.pair_cost, model.element_cost,
+                                     model.select_cost)), model
+    n, capacity, density, support = CASES[0]
+    rows = integer_rows(p, n, density, seed=4, support=support)
+    out = on_mesh(p, lambda x: sj.sparse_allreduce(sj.from_dense(x, capacity=capacity), axis_name=AXIS,
+                                                  cost_model=model).to_dense(), rows)
+    np.testing.assert_array_equal(out[0], rows.sum(axis=0))
+    with pytest.raises(ValueError, match=r"axis_name='model' is not an axis of the mesh \(its axes: \('data',\)\)"):
+        sj.CostModel.calibrate_on_axis(mesh, "model")
 
 
 def test_quantized_dsar_decodes_the_same_bytes_on_every_device():
@@ -131,15 +108,11 @@ GLOBAL_TOPK = {"spardl": spardl_reference, "gtopk": gtopk_reference}
 GLOBAL_CASES = ((1001, 10), (1001, 0), (1001, 1001), (3, 2))
 
 
-def accumulators(p: int, n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, p, n])
-    x = (rng.integers(1, 20, (p, n)) * rng.choice([-1, 1], (p, n))).astype(np.float32)
-    x[:, rng.random(n) < 0.3] = 0.0
-    return x
-
-
 def teams_of(p: int) -> list[int]:
-    return [g for g in range(1, p + 1) if p % g == 0]
+    """One team, the fewest teams above one and one rank per team (tests/test_global_topk.py takes
+    every divisor on the simulated transport)."""
+    divisors = [g for g in range(2, p + 1) if p % g == 0]
+    return sorted({1, *divisors[:1], *divisors[-1:]})
 
 
 @pytest.mark.parametrize("p", SIZES)
