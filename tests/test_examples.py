@@ -1,8 +1,11 @@
-"""The training examples with a global top-k allreduce run under mpirun (two ranks, one epoch):
-they finish, every rank holds the same parameters (the examples raise otherwise), and the model
-has learned something."""
+"""The training examples run (two ranks under mpirun, or a mesh of forced devices; one epoch):
+they finish, every rank or device holds the same parameters (the examples raise otherwise), and
+the model has learned something."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from mpi_spawn import TESTS, run_under_mpirun
@@ -19,3 +22,13 @@ def test_example_trains_with_a_global_top_k(example, args, accuracy):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = re.search(accuracy, result.stdout, re.MULTILINE)
     assert found and float(found.group(1)) > 0.3, result.stdout[-3000:]  # chance: 0.1
+
+
+def test_mesh_example_replaces_pmean():
+    result = subprocess.run([sys.executable, str(EXAMPLES / "flax_data_parallel.py"), "--devices", "3", "--epochs", "2",
+                             "--report-every", "1"], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for run in ("pmean", r"top-k 1% 4-bit"):
+        found = re.search(rf"^\s+{run}\s+(\d\.\d+)", result.stdout, re.MULTILINE)
+        assert found and float(found.group(1)) > 0.3, result.stdout[-3000:]  # chance: 0.1
