@@ -32,7 +32,9 @@ def run_under_mpirun(nprocs: int, args: list[str], timeout: float,
 
 
 def run_pytest_under_mpirun(nprocs: int, test_path: str, timeout: float = 180, extra: list[str] = ()) -> None:
-    result = run_under_mpirun(nprocs, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_path, *extra], timeout)
+    """pytest on ``test_path`` (a file or folder; several separated by spaces) in every rank."""
+    result = run_under_mpirun(nprocs, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *test_path.split(),
+                                       *extra], timeout)
     if result.returncode != 0:
         raise AssertionError(
             f"mpirun -n {nprocs} pytest {test_path} failed (rc={result.returncode})\n"
