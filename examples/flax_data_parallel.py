@@ -157,7 +157,8 @@ def train_both(args) -> dict:
         for run_name, run in runs.items():
             sent = "-" if run["kB_sent"] is None else f"{run['kB_sent']:.1f}"
             print(f"{run_name:>16s}  {run['accuracy']:8.4f}  {100 * (dense['accuracy'] - run['accuracy']):+12.2f}  "
-                  f"{run['step_ms']:9.2f}  {run['step_ms'] / dense['step_ms']:7.2f}x  {sent:>14s}  {run['algorithm']}", flush=True)
+                  f"{run['step_ms']:9.2f}  {run['step_ms'] / dense['step_ms']:7.2f}x  {sent:>14s}  {run['algorithm']}",
+                  flush=True)
     return runs
 
 

@@ -103,7 +103,8 @@ class _AxisTimer:
         stride = n // k
         rng = np.random.default_rng(0)
         # One random index per stride: sorted and distinct, at density 1/16.
-        indices = [self._rows(k, lambda w: (np.arange(w) * stride + rng.integers(0, stride, w)).astype(np.int32)) for _ in range(4)]
+        indices = [self._rows(k, lambda w: (np.arange(w) * stride + rng.integers(0, stride, w)).astype(np.int32))
+                   for _ in range(4)]
 
         def chain(*idx):
             streams = [SparseStream(i, jnp.ones(k, jnp.float32), jnp.int32(k), n) for i in idx]
