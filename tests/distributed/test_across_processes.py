@@ -14,14 +14,12 @@ import numpy as np
 import pytest
 
 import sparcml_jax as sj
-from _util import accumulators, identical_on_every_device, integer_rows, on_mesh
+from _util import CASES, MODEL, accumulators, identical_on_every_device, integer_rows, on_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from global_topk_reference import gtopk_reference, spardl_reference  # noqa: E402
 
 P_ALL = jax.device_count()
-CASES = ((1001, 300, 0.2, "random"), (64, 8, 0.0, "random"), (257, 257, 0.9, "random"), (300, 120, 0.3, "identical"))
-MODEL = sj.CostModel(alpha=2e-5, beta=1e-9)
 
 
 def test_the_mesh_spans_processes():

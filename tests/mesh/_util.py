@@ -10,7 +10,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import sparcml_jax as sj
+
 AXIS = "data"
+# (size, capacity, density of the last device, support): unequal counts (device d has d + 1 / P of
+# the density), every device empty, dense inputs that fill in, a size that no P divides, and the
+# same support on every device.
+CASES = ((1001, 300, 0.2, "random"), (64, 8, 0.0, "random"), (257, 257, 1.0, "random"), (300, 120, 0.3, "identical"))
+# Latency-bound: auto picks by the number of rounds more than by the bytes.
+MODEL = sj.CostModel(alpha=2e-5, beta=1e-9)
 
 
 def on_mesh(p: int, fn, *per_device: np.ndarray, shared: tuple = ()):

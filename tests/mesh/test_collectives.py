@@ -17,19 +17,13 @@ import numpy as np
 import pytest
 
 import sparcml_jax as sj
-from _util import AXIS, accumulators, identical_on_every_device, integer_rows, on_mesh
+from _util import AXIS, CASES, MODEL, accumulators, identical_on_every_device, integer_rows, on_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from global_topk_reference import (gtopk_reference, initial_oktopk_state, oktopk_step_reference,  # noqa: E402
                                    spardl_reference)
 
 SIZES = range(1, 9)
-# (size, capacity, density of the last device, support): unequal counts (device d has d + 1 / P of
-# the density), every device empty, dense inputs that fill in, a size that no P divides, and the
-# same support on every device.
-CASES = ((1001, 300, 0.2, "random"), (64, 8, 0.0, "random"), (257, 257, 0.9, "random"), (300, 120, 0.3, "identical"))
-# Latency-bound: auto picks by the number of rounds more than by the bytes.
-MODEL = sj.CostModel(alpha=2e-5, beta=1e-9)
 
 
 @pytest.mark.parametrize("p", SIZES)

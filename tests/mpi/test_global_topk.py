@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
-from _util import (COMM, GLOBAL_TOPK_ERROR_TRANSPORTS, GLOBAL_TOPK_TRANSPORTS, NPROCS, RANK, check_identical_on_all_ranks,
-                   expect_error_everywhere, run_and_agree)
+from _util import (COMM, GLOBAL_TOPK_ERROR_TRANSPORTS, NPROCS, RANK, TRANSPORTS, check_identical_on_all_ranks,
+                   expect_error_everywhere, global_topk_cases, run_and_agree)
 
 from sparcml_jax import GLOBAL_TOPK_ALGORITHMS, SparseStream, global_topk_allreduce
 from sparcml_jax.collectives.global_topk import init_oktopk_state
@@ -72,12 +72,12 @@ def simulated_bytes(algorithm: str, transport: str, xs: list[np.ndarray], k: int
     return float(np.float32(t.sent[RANK]) + np.float32(balancing))
 
 
-@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
 def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
     def body():
         failures = []
-        for n, k in CASES:
+        for n, k in global_topk_cases(transport, CASES):
             for seed, kind in enumerate(KINDS):
                 label = f"{algorithm}/{transport} N={n} k={k} {kind}"
                 xs = accumulators(n, kind, seed=100 * n + seed)
@@ -104,7 +104,7 @@ def test_global_topk_is_its_reference_with_exact_books(algorithm, transport):
     run_and_agree(body, f"global top-k {algorithm}/{transport}")
 
 
-@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_spardl_in_teams_is_its_reference(transport):
     """SparDL's Spar-All-Gather with the smallest and the largest G > 1 that divide P (the
     simulated tests take every G): the reference's result and residuals, exact books, at most
@@ -114,7 +114,7 @@ def test_spardl_in_teams_is_its_reference(transport):
     def body():
         failures = []
         for teams in sorted({divisors[0], divisors[-1]}) if divisors else []:
-            for n, k in CASES[1:]:
+            for n, k in global_topk_cases(transport, CASES[1:]):
                 for seed, kind in enumerate(KINDS[:2]):
                     label = f"spardl teams={teams}/{transport} N={n} k={k} {kind}"
                     xs = accumulators(n, kind, seed=100 * n + seed)
@@ -164,7 +164,7 @@ def test_a_stream_is_not_an_accumulator():
     expect_error_everywhere(lambda: global_topk_allreduce(s, 2), "pass stream.to_dense()", "a SparseStream as x")
 
 
-@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_error_feedback_inside_jit_keeps_the_books_over_steps(transport):
     """The residual carried from step to step inside a jitted step: after every step the result
     plus the residuals is the sum of every gradient so far."""
@@ -189,7 +189,7 @@ def test_error_feedback_inside_jit_keeps_the_books_over_steps(transport):
     run_and_agree(body, f"error feedback in jit ({transport})")
 
 
-@pytest.mark.parametrize("transport", GLOBAL_TOPK_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_oktopk_carries_its_state_as_its_reference_does(transport):
     """Ok-Topk over steps with its state: thresholds re-evaluated every third step and carried
     (and moved) in between, regions re-balanced every second; every step is the reference's,
