@@ -18,7 +18,8 @@ devices and its sample is the maximum over processes of their times. Rows give t
 and max of the samples and the ratio of the median to psum's median. psum's input is every
 device's dense vector ``s.to_dense()``, formed before the timed program, so its row times the
 psum alone. ``auto`` chooses with a cost model (``--cost-model FILE`` or
-``SPARCML_JAX_COST_MODEL``); without one it is left out. ``--global-topk`` adds the global top-k
+``SPARCML_JAX_COST_MODEL``); without one it is measured over the axis first
+(:meth:`~sparcml_jax.CostModel.calibrate_on_axis`). ``--global-topk`` adds the global top-k
 allreduces (SparDL, gTop-k, Ok-Topk) of every device's dense vector with k = density N, timed
 from that vector (their local selection included). ``--calls-per-sample R`` times R calls in one
 jitted program, as in allreduce.py.
@@ -60,9 +61,9 @@ BASELINE = ("psum", "x")  # (algorithm, timed from)
 
 def force_devices(count: int) -> None:
     """``count`` CPU devices in this process; must run before JAX's backend starts."""
-    from jax._src import xla_bridge
+    from sparcml_jax.comm._compat import backends_started
 
-    if xla_bridge.backends_are_initialized():
+    if backends_started():
         raise RuntimeError("--devices: JAX's backend has already started in this process, too late to force devices")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
 
@@ -219,6 +220,8 @@ def run(cells, algorithms, global_topk=(), reps: int = 7, calls_per_sample: int 
     """The rows of every (N, density, support) cell over all devices there are (one mesh axis)."""
     count = jax.device_count()
     mesh = jax.make_mesh((count,), (AXIS,), axis_types=(AxisType.Auto,))
+    if model is None and "auto" in algorithms:
+        model = CostModel.calibrate_on_axis(mesh, AXIS)
     clock = _placed(mesh, lambda d: SparseStream(np.zeros(1, np.int32), np.zeros(1, np.float32), np.int32(0), 1),
                     count)
     rows = []
@@ -259,8 +262,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="time R calls in one jitted program (as inside a training step; JAX dispatches it "
                              "once) and report the time per call; 1 (default): one jitted program per call")
     parser.add_argument("--cost-model", metavar="FILE",
-                        help="the cost model auto chooses with (written by `bench calibrate`); "
-                             "default: SPARCML_JAX_COST_MODEL, else auto is left out")
+                        help="the cost model auto chooses with (written by `bench calibrate --axis data`); "
+                             "default: SPARCML_JAX_COST_MODEL, else measured over the axis first")
     parser.add_argument("--json", help="write the rows to this JSON file (process 0)")
     return parser
 
@@ -314,13 +317,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         start_distributed()
     algorithms = list(args.algorithms or [*ALGORITHMS, "auto"])
     global_topk = [] if args.global_topk is None else list(args.global_topk or GLOBAL_TOPK_ALGORITHMS)
-    notes = []
     path = args.cost_model or os.environ.get(COST_MODEL_ENV)
     model = CostModel.load(path) if path else None
-    if model is None and "auto" in algorithms:
-        algorithms.remove("auto")
-        notes.append("auto left out: over a mesh axis it chooses with a cost model; pass --cost-model FILE "
-                     f"(`python -m sparcml_jax.bench calibrate --out FILE`) or set {COST_MODEL_ENV}")
+    notes = [] if model is not None or "auto" not in algorithms else [
+        "auto chooses with a cost model calibrated over the axis before the first cell"]
     cells = [(n, d, s) for n in args.sizes for d in args.densities for s in args.supports]
     first = jax.process_index() == 0
     rows = run(cells, algorithms, global_topk, args.reps, args.calls_per_sample, model,

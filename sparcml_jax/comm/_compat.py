@@ -8,6 +8,7 @@
 - the runtime tokens of ordered effects, which keep a failed program's error until cleared.
 - ``varying_axes``: the ``shard_map`` mesh axes a value varies over (``aval.mat.varying`` from
   JAX 0.10, ``aval.vma`` before).
+- ``backends_started``: whether JAX's backends exist already (XLA_FLAGS no longer apply then).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from __future__ import annotations
 import jax
 from jax._src.core import abstract_token
 from jax._src.dispatch import apply_primitive, runtime_tokens
+from jax._src.xla_bridge import backends_are_initialized as backends_started
 from mpi4jax._src.utils import get_default_comm as default_comm
 from mpi4jax._src.utils import ordered_effect
 
-__all__ = ["abstract_token", "apply_primitive", "clear_runtime_tokens", "default_comm", "ordered_effect",
-           "runtime_token_values", "varying_axes"]
+__all__ = ["abstract_token", "apply_primitive", "backends_started", "clear_runtime_tokens", "default_comm",
+           "ordered_effect", "runtime_token_values", "varying_axes"]
 
 
 def clear_runtime_tokens() -> None:
