@@ -7,11 +7,11 @@ The baseline averages the gradients with ``jax.lax.pmean``; the other run sends 
 collectives. The change is one line: the ``pmean`` of the step moves into the optimizer::
 
     # grads = jax.lax.pmean(grads, "data")                       <- the baseline's step
-    tx = optax.chain(sparcml_jax.allreduce_gradients(density=0.01, quantize_bits=4, axis_name="data",
-                                                     cost_model=model), optax.adam(1e-3))
+    tx = optax.chain(sparcml_jax.allreduce_gradients(density=0.01, quantize_bits=4, axis_name="data"),
+                     optax.adam(1e-3))
 
-``model`` is the cost model ``algorithm="auto"`` chooses with, measured over the axis once
-(:meth:`sparcml_jax.CostModel.calibrate_on_axis`). The optimizer state holds each device's own
+``algorithm="auto"`` (the default) chooses with a cost model that it measures over the axis's
+devices while the first step is traced. The optimizer state holds each device's own
 residual, so it is sharded over the axis; the parameters stay replicated, and after every epoch
 the run checks that every device holds the same ones.
 
@@ -143,9 +143,8 @@ def train_both(args) -> dict:
 
     adam = optax.adam(args.lr)
     runs = {"pmean": train("pmean", adam, pmean=True)}
-    cost_model = sparcml_jax.CostModel.calibrate_on_axis(mesh, "data")
     reducer = sparcml_jax.allreduce_gradients(density=args.density, quantize_bits=args.bits or None,
-                                              axis_name="data", cost_model=cost_model, seed=args.seed)
+                                              axis_name="data", seed=args.seed)
     name = f"top-k {args.density:.0%}" + (f" {args.bits}-bit" if args.bits else "")
     runs[name] = train(name, optax.chain(reducer, adam), pmean=False)
     if jax.process_index() == 0:

@@ -260,9 +260,10 @@ def allreduce_gradients(
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       axis_name: instead of ``comm``, for a train step inside ``jax.shard_map`` (or
         ``jax.pmap``): sum over the devices of this mesh axis with XLA's collectives, in place of
-        ``jax.lax.pmean(grads, axis_name)``. ``algorithm="auto"`` then needs ``cost_model`` (or
-        ``SPARCML_JAX_COST_MODEL``); the updates are identical on every device (typed as varying
-        over the axis: return them with ``check_vma=False``).
+        ``jax.lax.pmean(grads, axis_name)``. ``algorithm="auto"`` then chooses with
+        ``cost_model``, else ``SPARCML_JAX_COST_MODEL``, else (for an axis over all devices) a
+        model measured over them at the first trace; the updates are identical on every device
+        (typed as varying over the axis: return them with ``check_vma=False``).
       average: divide the sum by the number of ranks.
       warmup_steps: send dense for the first steps (default 0).
       min_size: leaves with fewer entries travel in one dense allreduce (default 1024).

@@ -52,8 +52,9 @@ def sparse_allreduce(
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       axis_name: instead of ``comm``: inside ``jax.shard_map`` (or ``jax.pmap``), sum over the
         devices of this mesh axis with XLA's own collectives (any platform; whole static
-        buffers, like ``"mpi4jax"``). ``"auto"`` then needs ``cost_model`` (or
-        ``SPARCML_JAX_COST_MODEL``).
+        buffers, like ``"mpi4jax"``). ``"auto"`` then needs ``cost_model`` or
+        ``SPARCML_JAX_COST_MODEL``, unless the axis spans all devices: then the model is
+        measured over them at the first trace (:meth:`CostModel.calibrate_on_axis`).
       algorithm: ``"auto"`` (alpha-beta cost model, §5.3), ``"ssar_recursive_doubling"``,
         ``"ssar_split_allgather"``, ``"dsar_split_allgather"``, ``"sparse_ring"`` or ``"dense"``.
       transport: over MPI ``"native"`` (our MPI engine: only valid entries travel; the default)
@@ -91,7 +92,7 @@ def sparse_allreduce(
         quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
                                              key=key, bucket_size=bucket_size, quantize_scale=quantize_scale)
         plan = on_axis.axis_plan(axis_name, comm, transport, delta, quantize)
-        model = on_axis.cost_model_on_axis(cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
+        model = on_axis.cost_model_on_axis(cost_model, plan.nprocs) if algorithm == "auto" and plan.nprocs > 1 else None
         result, stats = on_axis.allreduce(plan, algorithm, model, stream, key)
         return (result, stats) if return_stats else result
     comm = resolve_comm(comm)

@@ -48,12 +48,12 @@ def measure_on_axis(mesh: Mesh, axis_name: Hashable, reps: int = 7, large_bytes:
         else:
             alpha = beta = dense_alpha = dense_beta = 0.0
         pair_cost, element_cost, select_cost = timer.compute_costs()
-        return [alpha, beta, dense_alpha, dense_beta, pair_cost, element_cost, select_cost]
+        numbers = np.asarray([alpha, beta, dense_alpha, dense_beta, pair_cost, element_cost, select_cost])
+        return np.asarray(multihost_utils.broadcast_one_to_all(numbers)) if jax.process_count() > 1 else numbers
 
-    numbers = np.asarray(_on_fresh_thread(measure), np.float64)
-    if jax.process_count() > 1:
-        numbers = np.asarray(multihost_utils.broadcast_one_to_all(numbers))
-    return tuple(float(v) for v in numbers)
+    # On a fresh thread: called while a step is traced, JAX's trace state (per thread) would
+    # otherwise stage these programs into the step instead of running them.
+    return tuple(float(v) for v in _on_fresh_thread(measure))
 
 
 class _AxisTimer:

@@ -10,6 +10,7 @@ collective.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Hashable
 
@@ -37,18 +38,29 @@ def axis_plan(axis_name: Hashable, comm: Any, transport: str | None, delta: floa
     return Plan(None, NAME, float(delta), quantize, axis_name=axis_name, axis_size=int(size))
 
 
-def cost_model_on_axis(given: CostModel | None) -> CostModel:
-    """The model ``auto`` chooses with over a mesh axis: the one given, else the file named by
-    ``SPARCML_JAX_COST_MODEL``."""
+def cost_model_on_axis(given: CostModel | None, nprocs: int) -> CostModel:
+    """The model ``auto`` chooses with over a mesh axis of ``nprocs`` devices: the one given,
+    else the file named by ``SPARCML_JAX_COST_MODEL``, else, for an axis over all of JAX's
+    devices (a data-parallel mesh), one measured over them at the first such call."""
     if given is not None:
         return given
     path = os.environ.get(COST_MODEL_ENV)
     if path:
         return CostModel.load(path)
-    raise ValueError("algorithm='auto' over a mesh axis chooses with a cost model: pass cost_model= (for example "
-                     "CostModel.calibrate_on_axis(mesh, axis_name) outside the shard_map, or CostModel.load(path) of "
-                     "`python -m sparcml_jax.bench calibrate --axis NAME --out FILE`), set "
-                     f"{COST_MODEL_ENV}, or name the algorithm (e.g. algorithm='ssar_split_allgather')")
+    if nprocs == jax.device_count():
+        return _calibrated_over_every_device(nprocs)
+    raise ValueError(f"algorithm='auto' over a mesh axis of {nprocs} of the {jax.device_count()} devices chooses with "
+                     "a cost model: pass cost_model= (for example CostModel.calibrate_on_axis(mesh, axis_name) outside "
+                     "the shard_map, or CostModel.load(path) of `python -m sparcml_jax.bench calibrate --axis NAME "
+                     f"--out FILE`), set {COST_MODEL_ENV}, or name the algorithm (e.g. algorithm='ssar_split_allgather')")
+
+
+@functools.cache
+def _calibrated_over_every_device(nprocs: int) -> CostModel:
+    """Measured while the first ``auto`` call is traced (on a fresh thread, outside the trace);
+    every process traces that call, so every process measures, and takes process 0's numbers."""
+    mesh = jax.make_mesh((nprocs,), ("sparcml_jax_calibration",))
+    return CostModel.calibrate_on_axis(mesh, "sparcml_jax_calibration")
 
 
 def same_everywhere(value: jax.Array, axis_name: Hashable, name: str) -> jax.Array:
