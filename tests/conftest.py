@@ -19,3 +19,27 @@ if not os.environ.get("SPARCML_ON_MESH"):
 # tests/distributed joins a jax.distributed job: its processes are spawned by tests/test_distributed_spawn.py.
 if not os.environ.get("SPARCML_DISTRIBUTED"):
     collect_ignore.append("distributed")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The multi-rank runs go last, after the mesh tests' wait (see pytest_collection_finish)."""
+    last = [item for item in items if item.nodeid.startswith("tests/test_mpi_spawn.py::test_mpi_ranks")]
+    waits = [item for item in items if item.nodeid.startswith("tests/test_mesh_spawn.py::")]
+    items[:] = [item for item in items if item not in last and item not in waits] + waits + last
+
+
+def pytest_collection_finish(session):
+    """Starts the spawned runs that compile on one core beside the single-process tests."""
+    if session.config.option.collectonly:
+        return
+    for module in _background_modules(session):
+        module.start_in_background()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for module in _background_modules(session):
+        module.stop_background()
+
+
+def _background_modules(session) -> set:
+    return {item.module for item in getattr(session, "items", []) if hasattr(item.module, "start_in_background")}
