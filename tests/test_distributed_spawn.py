@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -23,21 +25,23 @@ def _free_port() -> int:
 def test_across_processes():
     address = f"localhost:{_free_port()}"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "tests/distributed"]
-    procs = []
+    procs, outputs = [], []
     for process_id in range(PROCESSES):
         env = dict(os.environ, JAX_PLATFORMS="cpu", SPARCML_DISTRIBUTED="1", JAX_COORDINATOR_ADDRESS=address,
                    SPARCML_NUM_PROCESSES=str(PROCESSES), SPARCML_PROCESS_ID=str(process_id),
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
                              f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}")
-        procs.append(subprocess.Popen(cmd, env=env, cwd=TESTS.parent, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = []
+        outputs.append(tempfile.TemporaryFile(mode="w+"))  # files: a pipe read after the other process would fill
+        procs.append(subprocess.Popen(cmd, env=env, cwd=TESTS.parent, text=True, stdout=outputs[-1],
+                                      stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=TIMEOUT)[0])
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
         raise AssertionError(f"tests/distributed timed out after {TIMEOUT}s (a process hangs)") from None
     for process_id, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"process {process_id} failed\n{out[-6000:]}"
+        out.seek(0)
+        assert proc.returncode == 0, f"process {process_id} failed\n{out.read()[-6000:]}"
