@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 from mpi4py import MPI
 
@@ -26,6 +26,9 @@ from sparcml_jax.comm.topology import (allgather_capacities, block_pass, exchang
                                        grown_capacity, largest_part_capacity, longest_part, owned_slot, part_capacity,
                                        passed_capacity, peers_of, segment_capacities, segment_slot, selected_capacity)
 from sparcml_jax.stream import dense_threshold
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,7 @@ class CostModel:
         return cls(*measure(comm), select_cost=measure_select_cost(comm))
 
     @classmethod
-    def calibrate_on_axis(cls, mesh, axis_name) -> "CostModel":
+    def calibrate_on_axis(cls, mesh: "Mesh", axis_name: Hashable) -> "CostModel":
         """Measures the model over the devices of ``axis_name`` of ``mesh`` (a
         :class:`jax.sharding.Mesh`), for ``algorithm="auto"`` with ``axis_name=``: messages are
         ``ppermute``, the dense allreduce is ``psum``. Call it outside ``jax.shard_map``, on
