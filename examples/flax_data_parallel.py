@@ -3,8 +3,8 @@
 A Flax MLP (85 k parameters) on scikit-learn's bundled digits, trained in a jitted
 ``jax.shard_map`` step over the mesh axis ``"data"``: every device takes its share of the batch.
 The baseline averages the gradients with ``jax.lax.pmean``; the other run sends each device's
-1 % largest (gradient + residual) entries with 4-bit QSGD on the dense phase, over XLA's
-collectives. The change is one line: the ``pmean`` of the step moves into the optimizer::
+1 % largest (gradient + residual) entries over XLA's collectives, with 4-bit QSGD where the sum
+travels DSAR's dense phase (``auto`` picked recursive doubling here, which stays exact pairs). The change is one line: the ``pmean`` of the step moves into the optimizer::
 
     # grads = jax.lax.pmean(grads, "data")                       <- the baseline's step
     tx = optax.chain(sparcml_jax.allreduce_gradients(density=0.01, quantize_bits=4, axis_name="data"),
