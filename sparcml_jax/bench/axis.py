@@ -253,7 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01, 0.1])
     parser.add_argument("--supports", nargs="+", choices=SUPPORTS, default=["uniform"])
     parser.add_argument("--algorithms", nargs="+", choices=[*ALGORITHMS, "auto"],
-                        help="SparCML's algorithms; default: all and auto (auto needs a cost model)")
+                        help="SparCML's algorithms; default: all and auto")
     parser.add_argument("--global-topk", nargs="*", choices=GLOBAL_TOPK_ALGORITHMS, metavar="ALGORITHM",
                         help="also the global top-k allreduces of every device's dense vector with k = density N, "
                              f"{{{','.join(GLOBAL_TOPK_ALGORITHMS)}}}; no names: all of them")

@@ -93,6 +93,30 @@ def _pass_program():
     return jax.jit(lambda v: v * 2.0)
 
 
+# The merge workload of both calibrations: streams of MERGE_PAIRS sorted, distinct indices (one
+# random index per stride of MERGE_SIZE / MERGE_PAIRS, density 1/16), megabytes past the caches.
+MERGE_SIZE, MERGE_PAIRS = 1 << 23, 1 << 19
+
+
+def merge_indices(rng: np.random.Generator) -> np.ndarray:
+    stride = MERGE_SIZE // MERGE_PAIRS
+    return (np.arange(MERGE_PAIRS) * stride + rng.integers(0, stride, MERGE_PAIRS)).astype(np.int32)
+
+
+def merge_chain(*indices):
+    """Merges as a collective chains them: two merges, then a merge of their fresh results; it
+    reads 2k + 2k + 4k pairs. (One merge alone came out at 1.9-3.9 ns per pair at P = 4 from one
+    calibration to the next, the chain at 3.0-3.9, like recursive doubling's merges.)"""
+    import jax.numpy as jnp
+
+    from sparcml_jax.kernels.merge import merge
+    from sparcml_jax.stream import SparseStream
+
+    a, b, c, d = (SparseStream(i, jnp.ones(MERGE_PAIRS, jnp.float32), jnp.int32(MERGE_PAIRS), MERGE_SIZE)
+                  for i in indices)
+    return merge(merge(a, b), merge(c, d)).values
+
+
 def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
     """Per-pair merge cost and per-element pass cost, each the slowest rank's median with every
     rank running at once, so that ranks sharing a core or the memory bus are measured sharing
@@ -100,21 +124,8 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
-    from sparcml_jax.kernels.merge import merge
-    from sparcml_jax.stream import SparseStream
-
-    n, k = 1 << 23, 1 << 19
     rng = np.random.default_rng(0)
-
-    def stream():  # one random index per stride: sorted and distinct, at density 1/16
-        stride = n // k
-        idx = (np.arange(k) * stride + rng.integers(0, stride, k)).astype(np.int32)
-        return SparseStream(jnp.asarray(idx), jnp.ones(k, jnp.float32), jnp.int32(k), n)
-
-    # Merges as a collective chains them: two merges, then a merge of their fresh results. (One
-    # merge alone came out at 1.9-3.9 ns per pair at P = 4 from one calibration to the next,
-    # the chain at 3.0-3.9, like recursive doubling's merges inside the collective.)
-    merged = jax.jit(lambda a, b, c, d: merge(merge(a, b), merge(c, d)).values)
+    merged = jax.jit(merge_chain)
     # A pass over 16 MB. (An in-place numpy pass on 4 MB, the earlier measure, stayed in cache:
     # 0.05-0.09 ns per element where this pass takes 0.55 ns per element at P = 2 and 1.05 ns at
     # P = 4, so auto priced densify and padding passes 5x too low and chose mpi4jax's dense path
@@ -122,15 +133,15 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
     doubled = _pass_program()
 
     def time_both():
-        inputs, vector = [stream() for _ in range(4)], jnp.ones(1 << 22, jnp.float32)
+        inputs, vector = [jnp.asarray(merge_indices(rng)) for _ in range(4)], jnp.ones(1 << 22, jnp.float32)
         for _ in range(8):  # the heaps grow on the first calls (page faults, 3-4x slower)
             jax.block_until_ready((merged(*inputs), doubled(vector)))
         # Every sample starts on all ranks at once. (Timed rank by rank after one warm-up call,
         # the cost came out 1.9 or 5.5 ns per pair at P = 4 from one calibration to the next.)
         chain_seconds = slowest_rank_median(comm, lambda: jax.block_until_ready(merged(*inputs)), 11)
         pass_seconds = slowest_rank_median(comm, lambda: jax.block_until_ready(doubled(vector)), 11)
-        # The chain reads 2k + 2k + 4k pairs; a pass reads and writes each element.
-        return chain_seconds / (8 * k), pass_seconds / (2 * vector.size)
+        # A pass reads and writes each element.
+        return chain_seconds / (8 * MERGE_PAIRS), pass_seconds / (2 * vector.size)
 
     return _on_fresh_thread(time_both)
 

@@ -15,13 +15,12 @@ import time
 from typing import Callable, Hashable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparcml_jax.collectives.calibrate import _on_fresh_thread
+from sparcml_jax.collectives.calibrate import MERGE_PAIRS, _on_fresh_thread, merge_chain, merge_indices
 
 _CALLS = 8  # calls per program: the loop's time over them is one call's
 
@@ -95,26 +94,15 @@ class _AxisTimer:
         """Per-pair merge cost, per-element pass cost and per-value selection cost, every device
         computing at once (the workloads of :func:`calibrate._compute_costs` and
         :func:`selection_cost.measure_select_cost`)."""
-        from sparcml_jax.kernels.merge import merge
         from sparcml_jax.kernels.topk import topk
-        from sparcml_jax.stream import SparseStream
 
-        n, k = 1 << 23, 1 << 19
-        stride = n // k
         rng = np.random.default_rng(0)
-        # One random index per stride: sorted and distinct, at density 1/16.
-        indices = [self._rows(k, lambda w: (np.arange(w) * stride + rng.integers(0, stride, w)).astype(np.int32))
-                   for _ in range(4)]
-
-        def chain(*idx):
-            streams = [SparseStream(i, jnp.ones(k, jnp.float32), jnp.int32(k), n) for i in idx]
-            return merge(merge(streams[0], streams[1]), merge(streams[2], streams[3])).values
-
-        merge_seconds = self._median(self._on_axis(chain), *indices)
+        indices = [self._rows(MERGE_PAIRS, lambda w: merge_indices(rng)) for _ in range(4)]
+        merge_seconds = self._median(self._on_axis(merge_chain), *indices)
         element = 1 << 22
         pass_seconds = self._median(self._on_axis(lambda v: v * 2.0), self._rows(element))
         select_size = 1 << 21
         values = self._rows(select_size, lambda w: rng.random(w, np.float32) - 0.5)
         select_seconds = self._median(self._on_axis(lambda v: topk(v, select_size // 100).values), values)
-        # The chain reads 2k + 2k + 4k pairs; a pass reads and writes each element.
-        return merge_seconds / (8 * k), pass_seconds / (2 * element), select_seconds / select_size
+        # A pass reads and writes each element.
+        return merge_seconds / (8 * MERGE_PAIRS), pass_seconds / (2 * element), select_seconds / select_size
