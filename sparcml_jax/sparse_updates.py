@@ -18,7 +18,7 @@ import optax
 
 from sparcml_jax.kernels._common import valid_mask
 from sparcml_jax.kernels.partition import scatter_add
-from sparcml_jax.stream import VALUE_DTYPE, SparseStream
+from sparcml_jax.stream import VALUE_DTYPE, SparseStream, with_indices
 
 
 def _is_stream(x: Any) -> bool:
@@ -57,6 +57,7 @@ def lazy(inner: optax.GradientTransformation) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates, is_leaf=_is_stream)
+        leaves = [with_indices(leaf) if _is_stream(leaf) else leaf for leaf in leaves]  # the support: every entry
         streams = {i: leaf for i, leaf in enumerate(leaves) if _is_stream(leaf)}
         if not streams:
             return inner.update(updates, state, params)

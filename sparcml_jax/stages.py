@@ -79,7 +79,7 @@ from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
-from sparcml_jax.stream import VALUE_DTYPE, SparseStream, dense_stream, resize
+from sparcml_jax.stream import VALUE_DTYPE, SparseStream, dense_stream, resize, with_indices
 
 SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled dense
 
@@ -174,7 +174,7 @@ def sparsify(sparsifier: str | Sparsifier = "topk", *, density: float | None = N
             v = jnp.ravel(jnp.asarray(leaves[i], VALUE_DTYPE))
             stream = select(v, leaf_budget(v.shape[0], total, density, k), jax.random.fold_in(step_key, g))
             if warming is not None:
-                stream = cond_varying(warming, lambda v=v: dense_stream(v), lambda s=stream, n=v.shape[0]: resize(s, n),
+                stream = cond_varying(warming, lambda v=v: with_indices(dense_stream(v)), lambda s=stream, n=v.shape[0]: resize(s, n),
                                       axes=varying_axes(v))
             out[i] = stream
         return jax.tree.unflatten(treedef, out), SparsifyState(state.count + 1, jax.random.key_data(key))
@@ -376,7 +376,7 @@ def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Gro
         return stream, too_many if warming is None else too_many | warming
     stream = from_dense(x, capacity=n)
     if warming is not None:
-        stream = group.cond(warming, lambda: dense_stream(x), lambda: stream)
+        stream = group.cond(warming, lambda: with_indices(dense_stream(x)), lambda: stream)
     return stream, None
 
 

@@ -3,9 +3,13 @@
 A stream holds ``nnz`` sorted (index, value) pairs of a length-``size`` vector in buffers of a
 static ``capacity``. Entries past ``nnz`` are padding (index ``size``, value 0). When the pairs
 would cost at least as much as the dense vector, ``nnz * (4 + 4) >= delta * size * 4``, the
-stream switches to its dense representation: ``nnz == size``, ``values[i]`` is entry ``i`` and
-``indices`` is ``0..size-1``. The switch needs ``capacity >= size``; every kernel decides it on
+stream switches to its dense representation: ``nnz == size`` and ``values[i]`` is entry ``i``;
+no kernel reads its indices. The switch needs ``capacity >= size``; every kernel decides it on
 the actual count.
+
+A stream that is dense by construction (:meth:`SparseStream.dense`, the result of a dense
+allreduce) has no index array at all: ``indices`` is empty and ``values`` holds the ``size``
+values. It is stored, sent and summed as the dense vector it is.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ class SparseStream:
     """Sorted (index, value) pairs of a length-``size`` vector, or that vector itself.
 
     Attributes:
-      indices: int32[capacity], strictly increasing in ``[0, size)`` for the first ``nnz``.
+      indices: int32[capacity], strictly increasing in ``[0, size)`` for the first ``nnz``; or
+        int32[0] for a stream dense by construction (``values`` float32[size], ``nnz == size``).
       values: float32[capacity], the matching values.
       nnz: int32 scalar, the number of valid pairs; ``nnz == size`` marks the dense form.
       size: static dense length N.
@@ -92,12 +97,35 @@ class SparseStream:
 
     @property
     def capacity(self) -> int:
-        return self.indices.shape[-1]
+        return self.values.shape[-1]
+
+    @property
+    def dense_by_construction(self) -> bool:
+        """Static: the stream is its ``size`` values with no index array (see :meth:`dense`)."""
+        return self.indices.shape[-1] == 0 and self.values.shape[-1] == self.size
 
     @property
     def is_dense(self) -> jax.Array:
         """Traced bool: whether the stream is in its dense representation."""
         return self.nnz == self.size
+
+    @classmethod
+    def dense(cls, x: jax.Array) -> "SparseStream":
+        """The dense representation of a float32[size] vector, without an index array: what a
+        dense allreduce takes and returns as it is (no copy, no indices written or sent).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from sparcml_jax import SparseStream
+          >>> s = SparseStream.dense(jnp.array([0., 3., 0., -1.]))
+          >>> s.indices.shape, int(s.nnz), s.dense_by_construction, s.to_dense().tolist()
+          ((0,), 4, True, [0.0, 3.0, 0.0, -1.0])
+        """
+        x = jnp.asarray(x)
+        if x.ndim != 1 or x.dtype != VALUE_DTYPE:
+            raise ValueError(f"SparseStream.dense takes a 1-D float32 vector, got {x.dtype}{list(x.shape)}; "
+                             "pass x.ravel().astype(jnp.float32)")
+        return dense_stream(x)
 
     @classmethod
     def empty(cls, size: int, capacity: int) -> "SparseStream":
@@ -121,6 +149,8 @@ class SparseStream:
 
     def to_dense(self) -> jax.Array:
         """The float32[size] vector this stream represents (an invalid stream raises)."""
+        if self.dense_by_construction:
+            return self.values
         return _conversions["to_dense"](self)
 
     def wire_bytes(self) -> jax.Array:
@@ -139,13 +169,24 @@ def install_conversions(*, from_dense: Callable, to_dense: Callable) -> None:
 
 
 def dense_stream(values: jax.Array) -> SparseStream:
-    """The dense representation of a float32[size] vector: indices 0..size-1, ``nnz == size``."""
+    """The dense representation of a float32[size] vector, with no index array (``nnz == size``)."""
     n = values.shape[0]
-    return SparseStream(jnp.arange(n, dtype=INDEX_DTYPE), values, jnp.asarray(n, INDEX_DTYPE), n)
+    return SparseStream(jnp.zeros((0,), INDEX_DTYPE), values, jnp.asarray(n, INDEX_DTYPE), n)
+
+
+def with_indices(s: SparseStream) -> SparseStream:
+    """``s`` in buffers of pairs (index and value buffers of equal capacity), for the operations
+    that may turn a dense stream into pairs. A stream dense by construction gets indices 0..size-1."""
+    if not s.dense_by_construction or s.size == 0:
+        return s
+    return SparseStream(jnp.arange(s.size, dtype=INDEX_DTYPE), s.values, s.nnz, s.size)
 
 
 def resize(s: SparseStream, capacity: int) -> SparseStream:
     """Pads or truncates the buffers to ``capacity`` (the caller guarantees nnz fits)."""
+    if s.dense_by_construction and capacity == s.capacity:
+        return s
+    s = with_indices(s)
     extra = capacity - s.capacity
     if extra >= 0:
         return SparseStream(

@@ -9,9 +9,11 @@ ffi::Error MergeImpl(ffi::Buffer<ffi::S32> a_idx, ffi::Buffer<ffi::F32> a_val, f
                      ffi::ResultBufferR0<ffi::S32> out_nnz, int64_t n, int64_t dense_threshold) {
   char err[SPARCML_ERRLEN] = {0};
   int64_t nnz = 0;
-  int status = sparcml_merge(a_idx.typed_data(), a_val.typed_data(), a_nnz.typed_data()[0],
-                             static_cast<int64_t>(a_idx.element_count()), b_idx.typed_data(), b_val.typed_data(),
-                             b_nnz.typed_data()[0], static_cast<int64_t>(b_idx.element_count()), n, dense_threshold,
+  int64_t a_count = a_nnz.typed_data()[0], b_count = b_nnz.typed_data()[0];
+  int64_t a_cap = sparcml::StreamCapacity(a_idx.element_count(), a_val.element_count(), a_count, n);
+  int64_t b_cap = sparcml::StreamCapacity(b_idx.element_count(), b_val.element_count(), b_count, n);
+  int status = sparcml_merge(a_idx.typed_data(), a_val.typed_data(), a_count, a_cap, b_idx.typed_data(),
+                             b_val.typed_data(), b_count, b_cap, n, dense_threshold,
                              out_idx->typed_data(), out_val->typed_data(),
                              static_cast<int64_t>(out_idx->element_count()), &nnz, err);
   out_nnz->typed_data()[0] = static_cast<int32_t>(nnz);

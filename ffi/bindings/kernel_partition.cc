@@ -40,9 +40,10 @@ ffi::Error CoalesceImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ff
 ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
                           ffi::Buffer<ffi::F32> dense, ffi::ResultBuffer<ffi::F32> out) {
   char err[SPARCML_ERRLEN] = {0};
-  int status = sparcml_scatter_add(idx.typed_data(), val.typed_data(), nnz.typed_data()[0],
-                                   static_cast<int64_t>(idx.element_count()), dense.typed_data(),
-                                   static_cast<int64_t>(dense.element_count()), out->typed_data(), err);
+  int64_t n = static_cast<int64_t>(dense.element_count()), count = nnz.typed_data()[0];
+  int status = sparcml_scatter_add(idx.typed_data(), val.typed_data(), count,
+                                   sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n),
+                                   dense.typed_data(), n, out->typed_data(), err);
   return sparcml::KernelError(status, err);
 }
 

@@ -100,9 +100,12 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
   args.residual_register = residual;
   int rank = RankOf(channels.blocking);
   std::string input_error;
-  Stream input = InputStream(idx.typed_data(), val.typed_data(), nnz.typed_data()[0],
-                             static_cast<int64_t>(idx.element_count()), n, rank, &input_error);
-  sparcml::Output out{ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(ridx->element_count())};
+  int64_t count = nnz.typed_data()[0];
+  Stream input = InputStream(idx.typed_data(), val.typed_data(), count,
+                             sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n), n, rank,
+                             &input_error);
+  sparcml::Output out{ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(rval->element_count()),
+                      static_cast<int64_t>(ridx->element_count())};
   ProgramResult r = sparcml::RunProgram(args, input, input_error, out);
   if (!r.error.empty()) return Failure("sparse collective", rank, r.error);
   if (residual >= 0) {
@@ -111,7 +114,7 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
     sparcml::StoreDense(r.residual, rresidual->typed_data());
   }
   if (result >= 0) {
-    sparcml::StoreStream(r.stream, out.idx, out.val, out.capacity);
+    sparcml::StoreStream(r.stream, out);
     rnnz->typed_data()[0] = static_cast<int32_t>(r.stream.dense ? r.stream.n : r.stream.nnz);
   } else {  // an agreement: its result is the largest count
     rnnz->typed_data()[0] = static_cast<int32_t>(r.nnz_max);
@@ -221,7 +224,8 @@ ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::
   auto job = std::make_unique<Job>();
   job->args = MakeArgs(channels.engine, channels.engine_calls++, true, n, delta, program, result, algorithm, signature,
                        hash, fields, rejected, key);
-  int64_t count = nnz.typed_data()[0], capacity = static_cast<int64_t>(idx.element_count());
+  int64_t count = nnz.typed_data()[0];
+  int64_t capacity = sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n);
   job->input = InputStream(idx.typed_data(), val.typed_data(), count, capacity, n, RankOf(channels.engine),
                            &job->input_error);
   if (!job->input_error.empty()) count = 0;
@@ -252,12 +256,13 @@ ffi::Error WaitImpl(ffi::BufferR0<ffi::S32> job_id, ffi::RemainingArgs after, ff
   int rank = RankOf(job->args.channel);
   const ProgramResult& r = job->result;
   if (!r.error.empty()) return Failure("non-blocking sparse allreduce", rank, r.error);
-  int64_t capacity = static_cast<int64_t>(ridx->element_count());
+  sparcml::Output out{ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(rval->element_count()),
+                      static_cast<int64_t>(ridx->element_count())};
   int64_t count = r.stream.dense ? r.stream.n : r.stream.nnz;
-  if (count > capacity)
+  if (count > out.capacity || (!r.stream.dense && count > out.index_capacity))
     return ffi::Error::Internal("sparse_allreduce_wait: result of " + std::to_string(count) +
-                                " entries exceeds the capacity " + std::to_string(capacity));
-  sparcml::StoreStream(r.stream, ridx->typed_data(), rval->typed_data(), capacity);
+                                " entries exceeds the capacity " + std::to_string(out.capacity));
+  sparcml::StoreStream(r.stream, out);
   rnnz->typed_data()[0] = static_cast<int32_t>(count);
   ralgorithm->typed_data()[0] = r.algorithm;
   rsent->typed_data()[0] = static_cast<float>(r.sent);

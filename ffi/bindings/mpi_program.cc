@@ -130,7 +130,7 @@ class Interpreter {
     s.n = n;
     s.dense = dense;
     int64_t slots = dense ? n : pairs;
-    if (reg == args_.result_register && output_.val && slots <= output_.capacity) {
+    if (reg == args_.result_register && output_.val && slots <= (dense ? output_.capacity : output_.index_capacity)) {
       s.storage.reset();
       s.idx = dense ? nullptr : output_.idx;
       s.val = output_.val;
@@ -545,10 +545,14 @@ class Interpreter {
     Stream out = Empty(n, n);
     if (!call_.failed()) {
       Writable w = Allocate(out, dst, n, 0, true);
-      StoreDense(s, w.val);
+      // A dense source is reduced from where it lies (MPI copies it as its algorithm needs); pairs
+      // are densified in the result, which is then reduced in place.
+      bool from_source = s.dense && p > 1 && s.val != w.val;
+      if (!from_source) StoreDense(s, w.val);
       if (p > 1) {
         MPI_Request request;
-        MPI_Iallreduce(MPI_IN_PLACE, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM, call_.comm(), &request);
+        MPI_Iallreduce(from_source ? s.val : MPI_IN_PLACE, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM,
+                       call_.comm(), &request);
         call_.Await(&request, 1);
       }
       // The volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.
@@ -751,17 +755,22 @@ class Interpreter {
 
 }  // namespace
 
-void StoreStream(const Stream& s, int32_t* idx, float* val, int64_t capacity) {
+void StoreStream(const Stream& s, const Output& out) {
   int64_t count = s.dense ? s.n : s.nnz;
-  if (s.dense) {
-    if (val != s.val) std::memcpy(val, s.val, s.n * sizeof(float));
-    if (idx != s.idx)  // (a stream densified in place already holds its indices)
-      for (int64_t i = 0; i < s.n; ++i) idx[i] = static_cast<int32_t>(i);
-  } else if (count > 0) {
-    if (idx != s.idx) std::memmove(idx, s.idx, count * sizeof(int32_t));
-    if (val != s.val) std::memmove(val, s.val, count * sizeof(float));
+  if (out.index_capacity == 0) {  // a result dense by construction: its values, nothing else
+    if (s.dense && out.val != s.val) std::memcpy(out.val, s.val, s.n * sizeof(float));
+    if (!s.dense) std::memset(out.val, 0, out.capacity * sizeof(float));  // (only a failed call gets here)
+    return;
   }
-  sparcml_pad_tail(idx, val, count, capacity, s.n);
+  if (s.dense) {
+    if (out.val != s.val) std::memcpy(out.val, s.val, s.n * sizeof(float));
+    if (out.idx != s.idx)  // (a stream densified in place already holds its indices)
+      for (int64_t i = 0; i < s.n; ++i) out.idx[i] = static_cast<int32_t>(i);
+  } else if (count > 0) {
+    if (out.idx != s.idx) std::memmove(out.idx, s.idx, count * sizeof(int32_t));
+    if (out.val != s.val) std::memmove(out.val, s.val, count * sizeof(float));
+  }
+  sparcml_pad_tail(out.idx, out.val, count, out.capacity, s.n);
 }
 
 void StoreDense(const Stream& s, float* out) {

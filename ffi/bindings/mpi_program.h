@@ -50,10 +50,12 @@ struct Stream {
 };
 
 // Where the result goes: the caller's output buffers (blocking path), or nowhere (the engine keeps it).
+// A result dense by construction has no index buffer (index_capacity 0).
 struct Output {
   int32_t* idx = nullptr;
   float* val = nullptr;
   int64_t capacity = 0;
+  int64_t index_capacity = 0;
 };
 
 struct ProgramResult {
@@ -85,8 +87,9 @@ struct ProgramArgs {
 // Runs the program on `input` (validated first; an invalid stream fails the call on every rank).
 ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::string& input_error, Output output);
 
-// Writes a result stream into caller buffers of `capacity` (pairs, or indices 0..n-1 and the values).
-void StoreStream(const Stream& s, int32_t* idx, float* val, int64_t capacity);
+// Writes a result stream into the caller's buffers: pairs, or the n values (and indices 0..n-1
+// where there is an index buffer).
+void StoreStream(const Stream& s, const Output& out);
 
 // Writes s as its n dense values.
 void StoreDense(const Stream& s, float* out);

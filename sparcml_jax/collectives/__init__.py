@@ -25,7 +25,7 @@ from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.kernels.qsgd import key_words
-from sparcml_jax.stream import SparseStream, dense_threshold
+from sparcml_jax.stream import SparseStream, dense_threshold, with_indices
 
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
            "sparse_allreduce"]
@@ -145,7 +145,7 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
         agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
         (_, name), = _choices(plan, model, stream.size, stream.capacity) if algorithm == "auto" else [(0, algorithm)]
         t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, agreed, key)
-        result = definition(name)(t, stream, **plan.options(name))
+        result = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
         return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
 
     return run
@@ -197,7 +197,7 @@ def _compiled_allgather(plan: Plan):
             result, _, sent, _ = native.run(program, s, comm=plan.comm, signature=signature, delta=plan.delta)
         else:
             t = Mpi4jaxTransport(plan.comm, plan.delta, s.size, native.agree(s, comm=plan.comm, signature=signature))
-            result, sent = t.gather(s), t.sent
+            result, sent = t.gather(with_indices(s)), t.sent
         return result, AllreduceStats(jnp.int32(-1), sent, result.nnz, jnp.int32(-1))
 
     return run

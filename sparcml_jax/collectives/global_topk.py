@@ -27,7 +27,7 @@ from sparcml_jax.comm.xla_transport import XlaTransport, agree
 from sparcml_jax.kernels._common import check_vector, cond_varying
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.kernels.topk import topk
-from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold, resize
+from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold, resize, with_indices
 
 
 class OktopkState(NamedTuple):
@@ -283,7 +283,7 @@ def _run(plan: Plan, algorithm: str, size: int, k: int, signature: native.Signat
     else:
         agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
         t = Mpi4jaxTransport(plan.comm, plan.delta, size, agreed)
-    total, held = definition(algorithm)(t, stream, k=k, **operands, **options)
+    total, held = definition(algorithm)(t, with_indices(stream), k=k, **operands, **options)
     return total, held.values, t.sent
 
 

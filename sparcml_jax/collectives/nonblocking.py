@@ -61,6 +61,7 @@ class AllreduceHandle:
     job: jax.Array
     size: int = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))
+    index_capacity: int = dataclasses.field(default=-1, metadata=dict(static=True))  # -1: capacity
 
 
 def sparse_allreduce_start(
@@ -110,7 +111,7 @@ def sparse_allreduce_start(
     job = native.start(program, stream, comm=comm, signature=allreduce_signature(plan, algorithm, stream.size,
                                                                                  stream.capacity, model),
                        delta=plan.delta, key_words=words)
-    return AllreduceHandle(job, stream.size, program.capacity)
+    return AllreduceHandle(job, stream.size, program.capacity, program.index_capacity)
 
 
 def sparse_allreduce_wait(handle: AllreduceHandle, *, after=None, return_stats: bool = False):
@@ -128,7 +129,9 @@ def sparse_allreduce_wait(handle: AllreduceHandle, *, after=None, return_stats: 
     """
     traced = isinstance(handle.job, jax.core.Tracer)
     try:
+        index_capacity = handle.capacity if handle.index_capacity < 0 else handle.index_capacity
         result, algorithm, sent, dense_round = native.wait(handle.job, size=handle.size, capacity=handle.capacity,
+                                                           index_capacity=index_capacity,
                                                            after=() if after is None else after)
         if not traced:
             jax.block_until_ready(result)

@@ -23,7 +23,7 @@ from sparcml_jax.collectives.auto import COST_MODEL_ENV, choice_table
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.group import check_group
 from sparcml_jax.comm.xla_transport import NAME, XlaTransport, agree
-from sparcml_jax.stream import SparseStream
+from sparcml_jax.stream import SparseStream, with_indices
 
 
 def axis_plan(axis_name: Hashable, comm: Any, transport: str | None, delta: float,
@@ -91,11 +91,11 @@ def allreduce(plan: Plan, algorithm: str, model: CostModel | None, stream: Spars
               key: jax.Array | None) -> tuple[SparseStream, AllreduceStats]:
     name = choose(plan, algorithm, model, stream.size, stream.capacity)
     t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name), key)
-    result = definition(name)(t, stream, **plan.options(name))
+    result = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
     return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
 
 
 def allgather(plan: Plan, stream: SparseStream) -> tuple[SparseStream, AllreduceStats]:
     t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name))
-    result = t.gather(stream)
+    result = t.gather(with_indices(stream))
     return result, AllreduceStats(jnp.int32(-1), t.sent, result.nnz, jnp.int32(-1))

@@ -65,6 +65,7 @@ class Register:
       source_capacity: for a part, the capacity of the stream it was reduced from (-1 otherwise).
       slot: for a selected part, the pairs every rank's part has room for (-1 otherwise).
       regions: a segment of :meth:`Recorder.split_regions` (its indices over the whole vector).
+      dense: dense by construction (a dense allreduce's or allgather's result): no index buffer.
     """
 
     id: int
@@ -73,6 +74,7 @@ class Register:
     source_capacity: int = -1
     slot: int = -1
     regions: bool = False
+    dense: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,8 @@ class Operand:
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A recorded algorithm: its instructions, and where its result is (``result`` -1: none)
-    and a global top-k's residual (``residual`` -1: none)."""
+    and a global top-k's residual (``residual`` -1: none). A ``dense`` result is dense by
+    construction: it comes back without an index buffer."""
 
     code: tuple[int, ...]
     result: int
@@ -94,6 +97,11 @@ class Program:
     capacity: int
     algorithm: int = -1  # ALGORITHMS code; -1 when the program chooses (then it reports its choice)
     residual: int = -1
+    dense: bool = False
+
+    @property
+    def index_capacity(self) -> int:
+        return 0 if self.dense or self.result < 0 else self.capacity
 
 
 class Recorder:
@@ -144,11 +152,11 @@ class Recorder:
                   width: int | None = None) -> Register:
         n = self.size
         if quantize is not None:
-            out = self._new(n, n)
+            out = self._new(n, n, dense=True)
             self.emit(ALLGATHER, out.id, n, part.id, QUANTIZED, quantize.bits, quantize.bucket_size,
                       SCALES[quantize.scale])
         elif dense:
-            out = self._new(n, n)
+            out = self._new(n, n, dense=True)
             self.emit(ALLGATHER, out.id, n, part.id, DENSE_SLICES)
         else:
             parts = self.nprocs if width is None else width
@@ -159,7 +167,7 @@ class Recorder:
         return out
 
     def allreduce(self, s: Register) -> Register:
-        out = self._new(s.size, s.size)
+        out = self._new(s.size, s.size, dense=True)
         self.emit(ALLREDUCE, out.id, out.capacity, s.id)
         return out
 
@@ -247,7 +255,8 @@ def record(algorithm: Callable[..., Register], *, rank: int, nprocs: int, delta:
     rec = Recorder(rank, nprocs, delta, size)
     out = algorithm(rec, Register(0, size, capacity), **options)
     out, residual = out if isinstance(out, tuple) else (out, None)
-    return Program(tuple(rec.code), out.id, size, out.capacity, code, -1 if residual is None else residual.id)
+    return Program(tuple(rec.code), out.id, size, out.capacity, code, -1 if residual is None else residual.id,
+                   out.dense)
 
 
 def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dict]], *, rank: int, nprocs: int,
@@ -262,14 +271,15 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
         sub = Recorder(rank, nprocs, delta, size, counter)
         out = algorithm(sub, Register(0, size, capacity), **options)
         branches.append((bound, code, sub, out))
-    result = Register(counter[0], size, max(out.capacity for *_, out in branches))
+    dense = all(out.dense for *_, out in branches)
+    result = Register(counter[0], size, max(out.capacity for *_, out in branches), dense=dense)
     rec.emit(CHOOSE, 0, 0, len(branches))
     for bound, code, sub, out in branches:
         sub.emit(MOVE, result.id, result.capacity, out.id)
         rec.code += [bound, code, len(sub.code) // WORDS, 0, 0, 0, 0, 0]
     for *_, sub, _ in branches:
         rec.code += sub.code
-    return Program(tuple(rec.code), result.id, size, result.capacity, -1)
+    return Program(tuple(rec.code), result.id, size, result.capacity, -1, dense=dense)
 
 
 # ----------------------------------------------------------------------------- signatures
@@ -306,21 +316,23 @@ class Signature:
 # ----------------------------------------------------------------------------- FFI calls
 
 
-def _results(capacity: int):
-    return [_ShapedArray((capacity,), INDEX_DTYPE), _ShapedArray((capacity,), VALUE_DTYPE),
+def _results(capacity: int, index_capacity: int):
+    return [_ShapedArray((index_capacity,), INDEX_DTYPE), _ShapedArray((capacity,), VALUE_DTYPE),
             _ShapedArray((), INDEX_DTYPE), _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE),
             _ShapedArray((), INDEX_DTYPE)]
 
 
 _run_p = ordered_ffi_primitive(
     "sparcml_run", "sparcml_mpi_run", "SparcmlMpiRun",
-    lambda *avals, capacity, residual_size, **_: [*_results(int(capacity)),
-                                                  _ShapedArray((int(residual_size),), VALUE_DTYPE)],
-    shape_params=("capacity", "residual_size"))
+    lambda *avals, capacity, index_capacity, residual_size, **_: [
+        *_results(int(capacity), int(index_capacity)), _ShapedArray((int(residual_size),), VALUE_DTYPE)],
+    shape_params=("capacity", "index_capacity", "residual_size"))
 _start_p = ordered_ffi_primitive("sparcml_engine_start", "sparcml_engine_start", "SparcmlEngineStart",
                                  lambda *avals, **_: [_ShapedArray((), INDEX_DTYPE)])
 _wait_p = ordered_ffi_primitive("sparcml_engine_wait", "sparcml_engine_wait", "SparcmlEngineWait",
-                                lambda job, *after, capacity: _results(int(capacity)), shape_params=("capacity",))
+                                lambda job, *after, capacity, index_capacity: _results(int(capacity),
+                                                                                      int(index_capacity)),
+                                shape_params=("capacity", "index_capacity"))
 
 
 def _attributes(program: Program, comm: MPI.Comm, signature: Signature, delta: float, rejected: bool) -> dict:
@@ -356,6 +368,7 @@ def _bind_run(program: Program, s: SparseStream, comm, signature, delta, key_wor
     capacity = program.capacity if program.result >= 0 else 0
     idx, val, nnz, algorithm, sent, dense_round, residual = _run_p.bind(
         s.indices, s.values, s.nnz, _key_or_zeros(key_words), capacity=i64(capacity),
+        index_capacity=i64(program.index_capacity),
         residual_size=i64(program.size if program.residual >= 0 else 0), residual=i64(program.residual),
         **_attributes(program, comm, signature, delta, rejected))
     return SparseStream(idx, val, nnz, program.size), algorithm, sent, dense_round, residual
@@ -377,10 +390,13 @@ def start(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signa
     return job
 
 
-def wait(job: jax.Array, *, size: int, capacity: int, after=()):
+def wait(job: jax.Array, *, size: int, capacity: int, index_capacity: int | None = None, after=()):
     """Blocks until job ``job`` is done; returns (result, algorithm code, bytes sent, dense round).
-    The arrays of ``after`` become operands (unread), so XLA computes them before the wait."""
-    idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, *jax.tree.leaves(after), capacity=i64(capacity))
+    ``index_capacity`` (default ``capacity``) is 0 for a program whose result is dense by
+    construction. The arrays of ``after`` become operands (unread), so XLA computes them before the wait."""
+    index_capacity = capacity if index_capacity is None else index_capacity
+    idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, *jax.tree.leaves(after), capacity=i64(capacity),
+                                                               index_capacity=i64(index_capacity))
     return SparseStream(idx, val, nnz, size), algorithm, sent, dense_round
 
 

@@ -20,7 +20,8 @@ from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds, scatter_add
 from sparcml_jax.kernels.topk import topk
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize
+from sparcml_jax.stream import (INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize,
+                                with_indices)
 
 HEADER = 2
 
@@ -51,6 +52,8 @@ def unpack(buf: jax.Array, capacity: int):
 
 
 def densify(s: SparseStream) -> jax.Array:
+    if s.dense_by_construction:
+        return s.values
     return scatter_add(s, jnp.zeros((s.size,), VALUE_DTYPE))
 
 
@@ -105,7 +108,7 @@ class StaticBuffers:
     def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> SparseStream:
         half = n // 2
         nnz, body = buf[0], buf[HEADER:]
-        dense = resize(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE)), capacity)
+        dense = resize(with_indices(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE))), capacity)
         pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
                        capacity)
         return jax.tree.map(lambda d, p: jnp.where(nnz == n, d, p), dense, pairs)

@@ -62,12 +62,17 @@ def agree(s: SparseStream, axis_name: Hashable, name: str = "stream") -> jax.Arr
     raises the same error if any device's stream is invalid, before a message carries one (an
     error on one device alone would leave the others waiting in a collective when the axis
     spans processes). Returns what the transport's streams pass through (:class:`XlaTransport`)."""
-    valid = jnp.arange(s.capacity) < s.nnz
-    inside = (s.indices >= 0) & (s.indices < s.size)
-    rising = jnp.concatenate([jnp.ones((1,), bool), s.indices[1:] > s.indices[:-1]])[: s.capacity]
-    bad = valid & ~(inside & rising)
+    if s.dense_by_construction:  # no indices to check; any other count than size does not fit
+        bad = jnp.zeros((1,), bool)
+        misfit = s.nnz != s.size
+    else:
+        valid = jnp.arange(s.capacity) < s.nnz
+        inside = (s.indices >= 0) & (s.indices < s.size)
+        rising = jnp.concatenate([jnp.ones((1,), bool), s.indices[1:] > s.indices[:-1]])[: s.capacity]
+        bad = valid & ~(inside & rising)
+        misfit = (s.nnz < 0) | (s.nnz > s.capacity)
     first_bad = jnp.argmax(bad).astype(INDEX_DTYPE)
-    code = jnp.where((s.nnz < 0) | (s.nnz > s.capacity), 1, jnp.where(jnp.any(bad), 2, 0)).astype(INDEX_DTYPE)
+    code = jnp.where(misfit, 1, jnp.where(jnp.any(bad), 2, 0)).astype(INDEX_DTYPE)
     report = jax.lax.all_gather(jnp.stack([code, s.nnz.astype(INDEX_DTYPE), first_bad]), axis_name)
 
     def check(report: np.ndarray) -> np.ndarray:

@@ -58,10 +58,11 @@ def check_vector(x: Any, name: str, dtype=VALUE_DTYPE) -> jax.Array:
 def check_stream(s: Any, name: str) -> SparseStream:
     if not isinstance(s, SparseStream):
         raise TypeError(f"{name} must be a SparseStream, got {type(s).__name__}")
-    if s.indices.ndim != 1 or s.values.shape != s.indices.shape or jnp.shape(s.nnz) != ():
+    if s.indices.ndim != 1 or s.values.ndim != 1 or jnp.shape(s.nnz) != () or not (
+            s.values.shape == s.indices.shape or s.dense_by_construction):
         raise ValueError(
-            f"{name}: indices and values must be 1-D of equal capacity and nnz a scalar; got "
-            f"{s.indices.shape}, {s.values.shape}, {jnp.shape(s.nnz)}"
+            f"{name}: indices and values must be 1-D of equal capacity (or, dense, no indices and size={s.size} "
+            f"values) and nnz a scalar; got {s.indices.shape}, {s.values.shape}, {jnp.shape(s.nnz)}"
         )
     if s.indices.dtype != INDEX_DTYPE or s.values.dtype != VALUE_DTYPE:
         raise TypeError(f"{name}: indices must be int32 and values float32, got {s.indices.dtype}, {s.values.dtype}")

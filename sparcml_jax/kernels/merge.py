@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 from sparcml_jax import _lib
 from sparcml_jax.kernels._common import attr_i64, check_same_size, check_stream, on_cpu_or_reference
-from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, can_switch_to_dense, dense_threshold
+from sparcml_jax.stream import (INDEX_DTYPE, VALUE_DTYPE, SparseStream, can_switch_to_dense, dense_threshold,
+                                with_indices)
 
 _TARGET = "sparcml_merge"
 
@@ -71,6 +72,7 @@ def merge_all(streams: list[SparseStream], *, delta: float = 1.0) -> SparseStrea
 
 def merge_reference(a: SparseStream, b: SparseStream, *, delta: float = 1.0, capacity: int | None = None) -> SparseStream:
     """Pure-jnp :func:`merge` (no validation): the dense sum, re-sparsified by the same rule."""
+    a, b = with_indices(a), with_indices(b)
     size = a.size
     if capacity is None:
         capacity = merge_capacity(a.capacity, b.capacity, size, delta)

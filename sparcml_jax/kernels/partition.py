@@ -24,7 +24,7 @@ import numpy as np
 from sparcml_jax import _lib
 from sparcml_jax.kernels._common import attr_i64, check_stream, check_vector, on_cpu_or_reference, scalar_i32
 from sparcml_jax.stream import (MAX_SIZE, INDEX_DTYPE, VALUE_DTYPE, SparseStream, check_size, dense_threshold,
-                                install_conversions)
+                                install_conversions, with_indices)
 
 _FROM_DENSE = "sparcml_from_dense"
 _FROM_DENSE_COUNTED = "sparcml_from_dense_counted"
@@ -301,6 +301,8 @@ def scatter_add(stream: SparseStream, dense: jax.Array) -> jax.Array:
 
 def scatter_add_reference(stream: SparseStream, dense: jax.Array) -> jax.Array:
     """Pure-jnp :func:`scatter_add` (no validation; pairs past ``nnz`` are ignored)."""
+    if stream.dense_by_construction:
+        return dense + jnp.where(stream.nnz == stream.size, stream.values, 0.0)
     valid = jnp.arange(stream.capacity) < stream.nnz
     where = jnp.where(valid, stream.indices, stream.size)
     return dense.at[where].add(jnp.where(valid, stream.values, 0.0), mode="drop")
@@ -342,7 +344,7 @@ def split(stream: SparseStream, parts: int) -> jax.Array:
       >>> split(s, 3).tolist()  # parts [0, 3), [3, 6), [6, 10)
       [0, 1, 2, 3]
     """
-    check_stream(stream, "stream")
+    stream = with_indices(check_stream(stream, "stream"))  # a dense stream's offsets are the bounds
     parts = _check_count(parts, "parts", 1)
     size = stream.size
 

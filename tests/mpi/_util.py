@@ -235,9 +235,12 @@ def check_identical_on_all_ranks(s: SparseStream | None, label: str) -> list[str
 
 
 def check_well_formed(s: SparseStream, label: str) -> list[str]:
-    """Sorted unique indices in [0, N), padding (index N, value 0) past nnz, dense form = arange."""
+    """Sorted unique indices in [0, N), padding (index N, value 0) past nnz, dense form = arange;
+    or dense by construction: no indices, N values, nnz == N."""
     idx, val, nnz = stream_arrays(s)
     n = s.size
+    if idx.size == 0 and val.size == n:
+        return [] if nnz == n else [f"{label}: a stream without indices has nnz={nnz}, not N={n}"]
     out = []
     if not 0 <= nnz <= s.capacity:
         return [f"{label}: nnz={nnz} outside [0, capacity={s.capacity}]"]

@@ -87,6 +87,10 @@ def check_result(label: str, algorithm: str, inp: Inputs, out: SparseStream, sta
         failures.append(f"{label}: sum differs at {bad.size} indices, e.g. {bad[:5].tolist()}: "
                         f"got {got[bad[:5]].tolist()} want {want[bad[:5]].tolist()}")
     failures += check_well_formed(out, label)
+    chosen = ALGORITHMS[int(stats.algorithm)] if int(stats.algorithm) in range(len(ALGORITHMS)) else None
+    if NPROCS > 1 and chosen in ("dense", "dsar_split_allgather") and algorithm != "auto" and \
+            not out.dense_by_construction:
+        failures.append(f"{label}: a dense allreduce's result carries an index array of {out.indices.size}")
     nnz = int(out.nnz)
     if algorithm != "auto":
         want_nnz = expected_nnz(algorithm, inp, out.capacity)
