@@ -757,9 +757,8 @@ class Interpreter {
 
 void StoreStream(const Stream& s, const Output& out) {
   int64_t count = s.dense ? s.n : s.nnz;
-  if (out.index_capacity == 0) {  // a result dense by construction: its values, nothing else
-    if (s.dense && out.val != s.val) std::memcpy(out.val, s.val, s.n * sizeof(float));
-    if (!s.dense) std::memset(out.val, 0, out.capacity * sizeof(float));  // (only a failed call gets here)
+  if (out.index_capacity == 0) {  // a result dense by construction: its n values, nothing else
+    StoreDense(s, out.val);
     return;
   }
   if (s.dense) {

@@ -88,7 +88,8 @@ struct ProgramArgs {
 ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::string& input_error, Output output);
 
 // Writes a result stream into the caller's buffers: pairs, or the n values (and indices 0..n-1
-// where there is an index buffer).
+// where there is an index buffer); into a result dense by construction (no index buffer), the
+// stream's n values, densified.
 void StoreStream(const Stream& s, const Output& out);
 
 // Writes s as its n dense values.

@@ -45,7 +45,7 @@ from sparcml_jax.collectives.global_topk import GlobalTopkStats, global_topk_all
 from sparcml_jax.comm import resolve_comm
 from sparcml_jax.kernels.partition import scatter_add
 from sparcml_jax.kernels.topk import topk
-from sparcml_jax.stream import SparseStream
+from sparcml_jax.stream import SparseStream, dense_threshold
 
 # "topk": each rank's stream is the top k of its own dense random accumulator (make_accumulator).
 SUPPORTS = ("uniform", "identical", "disjoint", "powerlaw", "topk")
@@ -55,7 +55,9 @@ SPARCML_BESIDE_GLOBAL_TOPK = ("auto", "ssar_recursive_doubling", "ssar_split_all
 
 
 def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: int = 0) -> SparseStream:
-    """A rank's k-sparse stream with the given support pattern (values are small integers)."""
+    """A rank's k-sparse stream with the given support pattern (values are small integers): k
+    pairs, or from SparCML's dense switch on (``8 k >= 4 N``) the dense vector, as
+    :func:`sparcml_jax.from_dense` builds it there."""
     rng = np.random.default_rng(seed + (0 if support == "identical" else 1000 + rank))
     if support in ("uniform", "identical"):
         idx = rng.choice(size, k, replace=False)
@@ -69,6 +71,10 @@ def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: i
         raise ValueError(f"support must be one of {SUPPORTS}, got {support!r}")
     idx = np.sort(idx).astype(np.int32)
     values = rng.integers(1, 8, k).astype(np.float32)
+    if k >= dense_threshold(size):
+        x = np.zeros(size, np.float32)
+        x[idx] = values
+        return SparseStream.dense(jnp.asarray(x))
     return SparseStream(jnp.asarray(idx), jnp.asarray(values), jnp.int32(k), size)
 
 
@@ -115,8 +121,8 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
     """(N, per-rank density, support) cells of a sweep.
 
     ``full`` covers growth with density at two sizes, growth with N at 1 %, and every support
-    pattern where SparCML's algorithms differ most; ``issue`` is the 2^22 table of the
-    collectives issue; ``global-topk`` the 2^22 table of the global top-k issue (each rank's
+    pattern where SparCML's algorithms differ most; ``issue`` is the 2^22 table from 0.1 % into
+    the dense regime (30 %, and 50 %, where the streams are dense); ``global-topk`` the 2^22 table of the global top-k issue (each rank's
     top k of its own dense accumulator); ``quick`` is a smoke run.
     """
     if kind == "global-topk":
@@ -124,7 +130,7 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
     if kind == "quick":
         return [(1 << 14, 0.01, "uniform"), (1 << 14, 0.3, "uniform")]
     if kind == "issue":
-        return [(1 << 22, d, "uniform") for d in (0.001, 0.01, 0.1)]
+        return [(1 << 22, d, "uniform") for d in (0.001, 0.01, 0.1, 0.3, 0.5)]
     if kind == "full":
         cells = [(n, d, "uniform") for n in (1 << 18, 1 << 22) for d in (1e-4, 1e-3, 1e-2, 0.1, 0.5)]
         cells += [(n, 0.01, "uniform") for n in (1 << 16, 1 << 20, 1 << 24)]

@@ -111,12 +111,14 @@ def sparse_allreduce(
 
 
 @functools.lru_cache(maxsize=256)
-def native_program(plan: Plan, algorithm: str, model: CostModel | None, size: int, capacity: int) -> native.Program:
+def native_program(plan: Plan, algorithm: str, model: CostModel | None, size: int, capacity: int,
+                   dense: bool = False) -> native.Program:
     """The program the native transport runs for one static signature: the algorithm named, or
-    for ``"auto"`` the one the cost model picks (at run time on the global nnz when it must)."""
+    for ``"auto"`` the one the cost model picks (at run time on the global nnz when it must; a
+    stream ``dense`` by construction has a static count)."""
     record = functools.partial(native.record, rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta, size=size,
                                capacity=capacity)
-    rows = [(capacity, algorithm)] if algorithm != "auto" else _choices(plan, model, size, capacity)
+    rows = [(capacity, algorithm)] if algorithm != "auto" else _choices(plan, model, size, capacity, dense)
     if len(rows) == 1:
         name = rows[0][1]
         return record(definition(name), code=ALGORITHMS.index(name), **plan.options(name))
@@ -125,25 +127,33 @@ def native_program(plan: Plan, algorithm: str, model: CostModel | None, size: in
                                 size=size, capacity=capacity)
 
 
-def _choices(plan: Plan, model: CostModel | None, size: int, capacity: int) -> list[tuple[int, str]]:
+def _choices(plan: Plan, model: CostModel | None, size: int, capacity: int,
+             dense: bool = False) -> list[tuple[int, str]]:
     if model is None:  # one process: nothing to choose, every algorithm returns its input summed with nothing
         return [(capacity, "ssar_recursive_doubling")]
-    return auto.choice_table(model, plan, size, capacity)
+    return auto.choice_table(model, plan, size, capacity, dense)
 
 
 @functools.lru_cache(maxsize=256)
 def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
     @jax.jit
     def run(stream: SparseStream, key):
-        signature = allreduce_signature(plan, algorithm, stream.size, stream.capacity, model)
+        dense = stream.dense_by_construction
+        signature = allreduce_signature(plan, algorithm, stream.size, stream.capacity, model, dense)
         words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
         if plan.transport == "native":
-            program = native_program(plan, algorithm, model, stream.size, stream.capacity)
+            program = native_program(plan, algorithm, model, stream.size, stream.capacity, dense)
             result, code, sent, dense_round = native.run(program, stream, comm=plan.comm, signature=signature,
                                                          delta=plan.delta, key_words=words)
             return result, AllreduceStats(code, sent, result.nnz, dense_round)
-        agreed = native.agree(stream, comm=plan.comm, signature=signature)  # static buffers cannot carry an abort
-        (_, name), = _choices(plan, model, stream.size, stream.capacity) if algorithm == "auto" else [(0, algorithm)]
+        (_, name), = _choices(plan, model, stream.size, stream.capacity, dense) if algorithm == "auto" \
+            else [(0, algorithm)]
+        # Static buffers cannot carry an abort: the ranks agree first. The dense allreduce takes
+        # its dense vector from that call, densified in C (no zero-filled XLA buffer, no indices).
+        if name == "dense" and not dense:
+            agreed, stream = native.agree_and_densify(stream, comm=plan.comm, signature=signature)
+        else:
+            agreed = native.agree(stream, comm=plan.comm, signature=signature)
         t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, agreed, key)
         result = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
         return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)

@@ -50,9 +50,12 @@ def best(model: CostModel, plan: Plan, size: int, capacity: int, nnz: float) -> 
     return min(costs, key=costs.get)
 
 
-def choice_table(model: CostModel, plan: Plan, size: int, capacity: int) -> list[tuple[int, str]]:
+def choice_table(model: CostModel, plan: Plan, size: int, capacity: int, dense: bool = False) -> list[tuple[int, str]]:
     """(bound, algorithm) rows: the call runs the first row whose bound covers the largest nnz
     over ranks. One row is a choice made while tracing.
+
+    A stream ``dense`` by construction has ``size`` entries on every rank: its choice is made
+    while tracing, at that count.
 
     A capacity too small for the dense form was sized for the data (top-k streams fill it), so
     its price is the price. A capacity that allows the dense form says little about the actual
@@ -61,6 +64,8 @@ def choice_table(model: CostModel, plan: Plan, size: int, capacity: int) -> list
     transports' prices depend on the capacities alone (they move whole buffers), so their choice
     is always made while tracing.
     """
+    if dense:
+        return [(capacity, best(model, plan, size, capacity, size))]
     at_capacity = best(model, plan, size, capacity, capacity)
     if (plan.transport in STATIC_BUFFER_TRANSPORTS or not can_switch_to_dense(capacity, size, plan.delta)
             or at_capacity.startswith("ssar")):

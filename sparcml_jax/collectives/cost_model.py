@@ -386,9 +386,10 @@ class Pricing:
         self._sent += (p - 2) * (8.0 + 8.0 * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p)
         self._stage_everywhere(self._scatter_staging(s))
         if dense and not self.static:
-            # The segments are added into a zero-filled slice; every pair of the stream is packed
-            # into its range's message and added into its owner's slice: about a merge's work.
-            self._seconds += sends + (1 / p + 1) * n * m.element_cost + self.count(s) * m.pair_cost
+            # The segments are added into a zero-filled slice, no merge: every pair of the stream
+            # is read and re-based into its range's message (4 element accesses), then read and
+            # added into its owner's slice (3).
+            self._seconds += sends + (1 / p + 1) * n * m.element_cost + 7 * self.count(s) * m.element_cost
         else:
             # What arrives is merged segment after segment into the growing part: the part's
             # pairs are visited (P + 1) / 2 times on average.

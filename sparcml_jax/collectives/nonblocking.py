@@ -106,10 +106,11 @@ def sparse_allreduce_start(
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e, engine=True)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
-    program = native_program(plan, algorithm, model, stream.size, stream.capacity)
+    dense = stream.dense_by_construction
+    program = native_program(plan, algorithm, model, stream.size, stream.capacity, dense)
     words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None  # as the blocking call keys it
     job = native.start(program, stream, comm=comm, signature=allreduce_signature(plan, algorithm, stream.size,
-                                                                                 stream.capacity, model),
+                                                                                 stream.capacity, model, dense),
                        delta=plan.delta, key_words=words)
     return AllreduceHandle(job, stream.size, program.capacity, program.index_capacity)
 

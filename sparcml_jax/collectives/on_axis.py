@@ -78,18 +78,18 @@ def same_everywhere(value: jax.Array, axis_name: Hashable, name: str) -> jax.Arr
     return gathered[0] + jax.pure_callback(check, jax.ShapeDtypeStruct((), gathered.dtype), gathered)
 
 
-def choose(plan: Plan, algorithm: str, model: CostModel | None, size: int, capacity: int) -> str:
+def choose(plan: Plan, algorithm: str, model: CostModel | None, size: int, capacity: int, dense: bool = False) -> str:
     if algorithm != "auto":
         return algorithm
     if plan.nprocs == 1:
         return "ssar_recursive_doubling"
-    (_, name), = choice_table(model, plan, size, capacity)  # static buffers: one choice, made while tracing
+    (_, name), = choice_table(model, plan, size, capacity, dense)  # static buffers: one choice, made while tracing
     return name
 
 
 def allreduce(plan: Plan, algorithm: str, model: CostModel | None, stream: SparseStream,
               key: jax.Array | None) -> tuple[SparseStream, AllreduceStats]:
-    name = choose(plan, algorithm, model, stream.size, stream.capacity)
+    name = choose(plan, algorithm, model, stream.size, stream.capacity, stream.dense_by_construction)
     t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name), key)
     result = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
     return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)

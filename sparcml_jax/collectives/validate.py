@@ -65,10 +65,13 @@ def model_digest(model: Any) -> int | None:
     return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little", signed=True)
 
 
-def allreduce_signature(plan: Plan, algorithm: str, size: int, capacity: int, model: Any) -> native.Signature:
+def allreduce_signature(plan: Plan, algorithm: str, size: int, capacity: int, model: Any,
+                        dense: bool = False) -> native.Signature:
+    """``dense``: the stream is dense by construction (``auto`` then chooses while tracing)."""
     q = plan.quantize
     return native.Signature.of(
-        "allreduce", size=size, capacity=capacity, algorithm=(*ALGORITHMS, "auto").index(algorithm),
+        "allreduce", size=size, capacity=capacity, dense_input=int(dense),
+        algorithm=(*ALGORITHMS, "auto").index(algorithm),
         transport=plan.transport, delta=plan.delta, quantize_bits=q and q.bits, bucket_size=q and q.bucket_size,
         quantize_scale=q and q.scale, cost_model=model_digest(model))
 
