@@ -1,4 +1,4 @@
-"""from_dense, coalesce, scatter_add, partition_bounds, split and gather: C kernels vs jnp references vs numpy."""
+"""from_dense, coalesce, to_dense, scatter_add, partition_bounds, split and gather: C kernels vs jnp references vs numpy."""
 
 import doctest
 import functools
@@ -25,6 +25,8 @@ from sparcml_jax.kernels.partition import (
     scatter_add_reference,
     split,
     split_reference,
+    to_dense,
+    to_dense_reference,
 )
 
 ERRORS = (ValueError, RuntimeError)
@@ -406,6 +408,48 @@ def test_scatter_add_static_errors():
         scatter_add(jnp.zeros(10), jnp.zeros(10))
 
 
+# ------------------------------------------------------------------ to_dense
+
+
+@pytest.mark.parametrize("size,nnz,capacity", [(0, 0, 0), (1, 0, 1), (1, 1, 1), (10, 0, 4), (10, 3, 7),
+                                               (100, 40, 50), (100, 99, 100), (100, 100, 100), (100, 100, 130)])
+def test_to_dense_matches_numpy_and_reference(size, nnz, capacity):
+    rng = np.random.default_rng(size + 17 * nnz)
+    s = random_stream(rng, size, nnz, capacity)
+    want = np_dense_of(s)
+    np.testing.assert_array_equal(np.asarray(jax.jit(to_dense)(s)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(to_dense_reference)(s)), want)
+    np.testing.assert_array_equal(np.asarray(s.to_dense()), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 300).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
+def test_to_dense_any_gaps(case):
+    # Gaps of every length: the kernel zero-fills short gaps entry by entry and long ones with memset.
+    size, support = case
+    idx = np.array(sorted(support), np.int32)
+    s = make_stream(idx, np.arange(1, idx.size + 1), size, capacity=idx.size + 3)
+    want = np.zeros(size, np.float32)
+    want[idx] = np.arange(1, idx.size + 1)
+    np.testing.assert_array_equal(np.asarray(to_dense(s)), want)
+    np.testing.assert_array_equal(np.asarray(to_dense_reference(s)), want)
+
+
+def test_to_dense_of_a_stream_dense_by_construction_is_its_values():
+    x = jnp.arange(6, dtype=jnp.float32)
+    s = SparseStream.dense(x)
+    assert to_dense(s) is s.values and s.to_dense() is s.values
+    np.testing.assert_array_equal(np.asarray(to_dense_reference(s)), np.asarray(x))
+
+
+def test_to_dense_vmaps():
+    rng = np.random.default_rng(5)
+    streams = [random_stream(rng, 40, k, 12) for k in (0, 5, 12)]
+    out = jax.vmap(to_dense)(stack(streams))
+    for i, s in enumerate(streams):
+        np.testing.assert_array_equal(np.asarray(out[i]), np_dense_of(s))
+
+
 # ------------------------------------------------------------------ partition_bounds / split
 
 
@@ -553,6 +597,8 @@ def test_bad_streams_raise_at_run_time(case):
         scatter_add(bad, jnp.zeros(10)).block_until_ready()
     with pytest.raises(ERRORS, match=match):
         bad.to_dense().block_until_ready()
+    with pytest.raises(ERRORS, match=match):
+        jax.jit(to_dense)(bad).block_until_ready()
     for _ in range(2):
         with pytest.raises(ERRORS, match=match):
             jax.jit(split, static_argnums=1)(bad, 3).block_until_ready()

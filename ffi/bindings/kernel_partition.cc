@@ -47,6 +47,16 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, 
   return sparcml::KernelError(status, err);
 }
 
+ffi::Error ToDenseImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  char err[SPARCML_ERRLEN] = {0};
+  int64_t n = static_cast<int64_t>(out->element_count()), count = nnz.typed_data()[0];
+  int64_t cap = sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n);
+  if (sparcml_check_stream("stream", idx.typed_data(), count, cap, n, err)) return sparcml::KernelError(1, err);
+  sparcml_densify(idx.typed_data(), val.typed_data(), count, n, out->typed_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error SplitImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, ffi::ResultBuffer<ffi::S32> offsets,
                      int64_t n) {
   char err[SPARCML_ERRLEN] = {0};
@@ -102,6 +112,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlScatterAdd, ScatterAddImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlToDense(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlToDense, ToDenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlSplit(XLA_FFI_CallFrame*);

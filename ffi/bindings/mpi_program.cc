@@ -772,14 +772,7 @@ void StoreStream(const Stream& s, const Output& out) {
   sparcml_pad_tail(out.idx, out.val, count, out.capacity, s.n);
 }
 
-void StoreDense(const Stream& s, float* out) {
-  if (s.dense) {
-    if (out != s.val) std::memcpy(out, s.val, s.n * sizeof(float));
-    return;
-  }
-  std::memset(out, 0, s.n * sizeof(float));
-  for (int64_t j = 0; j < s.nnz; ++j) out[s.idx[j]] = s.val[j];
-}
+void StoreDense(const Stream& s, float* out) { sparcml_densify(s.idx, s.val, s.dense ? s.n : s.nnz, s.n, out); }
 
 ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::string& input_error, Output output) {
   Call call(args.channel, args.tag, args.signature, args.background);

@@ -171,6 +171,20 @@ int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64
   return 0;
 }
 
+void sparcml_densify(const int32_t *idx, const float *val, int64_t nnz, int64_t n, float *out) {
+  if (nnz == n) {
+    if (n > 0 && out != val) memcpy(out, val, (size_t)n * sizeof(float));
+    return;
+  }
+  enum { BLOCK = 4096 }; /* floats: a block stays in L1 between its zero-fill and its scatter */
+  int64_t j = 0;
+  for (int64_t lo = 0; lo < n; lo += BLOCK) {
+    int64_t hi = lo + BLOCK < n ? lo + BLOCK : n;
+    memset(out + lo, 0, (size_t)(hi - lo) * sizeof(float));
+    for (; j < nnz && idx[j] < hi; ++j) out[idx[j]] = val[j];
+  }
+}
+
 int64_t sparcml_part_start(int64_t n, int64_t parts, int64_t r) { return r >= parts ? n : r * (n / parts); }
 
 /* First position in idx[lo..hi) whose index is >= key (idx sorted). */

@@ -40,6 +40,12 @@ int sparcml_coalesce(const int32_t *idx, const float *val, int64_t m, int64_t n,
 int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, const float *dense,
                         int64_t n, float *out, char *err);
 
+/* out = the stream as a length-n vector in one pass over memory: each block of out is zero-filled
+ * and then takes its pairs while it is still in cache (a memset of the whole vector followed by a
+ * scatter writes it twice). The stream must be valid (see sparcml_check_stream); it may be dense
+ * (nnz == n). */
+void sparcml_densify(const int32_t *idx, const float *val, int64_t nnz, int64_t n, float *out);
+
 /* First index of part r when [0, n) is split into parts ranges: part r covers
  * [r * (n / parts), (r + 1) * (n / parts)), the last part also takes the remainder.
  * Defined for 0 <= r <= parts (r == parts gives n). */

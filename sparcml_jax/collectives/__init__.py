@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from mpi4py import MPI
 
 from sparcml_jax.collectives import auto, on_axis
-from sparcml_jax.collectives._plan import ALGORITHMS, AllreduceStats, Plan, definition
+from sparcml_jax.collectives._plan import ALGORITHMS, ENGINE_ALGORITHMS, AllreduceStats, Plan, definition
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.dense import dense_allreduce
 from sparcml_jax.collectives.validate import (allreduce_signature, call_and_recover, check_allreduce,
@@ -141,21 +141,20 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
         dense = stream.dense_by_construction
         signature = allreduce_signature(plan, algorithm, stream.size, stream.capacity, model, dense)
         words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
-        if plan.transport == "native":
-            program = native_program(plan, algorithm, model, stream.size, stream.capacity, dense)
+        name = algorithm
+        if plan.transport == "mpi4jax" and algorithm == "auto":
+            (_, name), = _choices(plan, model, stream.size, stream.capacity, dense)
+        # The dense allreduce is then one densification straight into the result (none for a
+        # stream dense already) and one MPI_Allreduce on it in place.
+        if plan.transport == "native" or name in ENGINE_ALGORITHMS:
+            program = native_program(plan, name, model, stream.size, stream.capacity, dense)
             result, code, sent, dense_round = native.run(program, stream, comm=plan.comm, signature=signature,
                                                          delta=plan.delta, key_words=words)
             return result, AllreduceStats(code, sent, result.nnz, dense_round)
-        (_, name), = _choices(plan, model, stream.size, stream.capacity, dense) if algorithm == "auto" \
-            else [(0, algorithm)]
-        # Static buffers cannot carry an abort: the ranks agree first. The dense allreduce takes
-        # its dense vector from that call, densified in C (no zero-filled XLA buffer, no indices).
-        if name == "dense" and not dense:
-            agreed, stream = native.agree_and_densify(stream, comm=plan.comm, signature=signature)
-        else:
-            agreed = native.agree(stream, comm=plan.comm, signature=signature)
-        t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, agreed, key)
-        result = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
+        # Static buffers cannot carry an abort: the ranks agree first.
+        t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, native.agree(stream, comm=plan.comm,
+                                                                              signature=signature), key)
+        result = definition(name)(t, with_indices(stream), **plan.options(name))
         return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
 
     return run

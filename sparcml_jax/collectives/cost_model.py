@@ -148,12 +148,14 @@ class CostModel:
     def pricing(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
                 capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> "Pricing":
         """The algorithm's definition run on :class:`Pricing`: its seconds, bytes sent and staged elements."""
-        from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS, Quantization, definition
+        from sparcml_jax.collectives._plan import ENGINE_ALGORITHMS, GLOBAL_TOPK_ALGORITHMS, Quantization, definition
 
         if algorithm in GLOBAL_TOPK_ALGORITHMS:
             return self._global_topk_pricing(algorithm, size=size, k=int(nnz), nprocs=nprocs, transport=transport,
                                              delta=delta)
         capacity = size if capacity is None else capacity
+        if transport == "mpi4jax" and algorithm in ENGINE_ALGORITHMS:
+            transport = "native"  # (the MPI transports run them alike)
         # Whole static buffers: the mpi4jax and xla transports are priced as full as their capacities
         # allow.
         per_rank = capacity if transport in STATIC_BUFFER_TRANSPORTS else nnz
@@ -450,9 +452,8 @@ class Pricing:
     def allreduce(self, s: Estimate) -> Estimate:
         m = self.model
         out = Estimate(s.size, s.size, self.nprocs, dense_values=True)
-        # Densified into the result, MPI_Allreduce in place. mpi4jax densifies into a zero-filled
-        # XLA buffer first (measured at P = 4, N = 2^22, 10 %: 24.3 ms against 17.4 ms for the
-        # allreduce of a ready dense vector).
+        # Densified into the result, MPI_Allreduce in place. The XLA transport densifies into a
+        # fresh XLA buffer first.
         self._seconds += m.dense_alpha + 4.0 * s.size * m.dense_beta + self._result_buffers(out)
         self._sent += 2 * (self.nprocs - 1) / self.nprocs * 4.0 * s.size
         if self.static:

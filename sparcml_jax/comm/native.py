@@ -381,15 +381,6 @@ def agree(s: SparseStream, *, comm: MPI.Comm, signature: Signature, rejected: bo
     return run(program, s, comm=comm, signature=signature, delta=1.0, rejected=rejected)[0].nnz
 
 
-def agree_and_densify(s: SparseStream, *, comm: MPI.Comm, signature: Signature) -> tuple[jax.Array, SparseStream]:
-    """:func:`agree`, also returning this rank's stream densified in the same call (dense by
-    construction): the dense allreduce of a static-buffer transport starts from it."""
-    n = s.size
-    program = Program((AGREE, 0, 0, 0, 0, 0, 0, 0, MOVE, 1, n, 0, 0, 0, 0, 0), 1, n, n, dense=True)
-    result = run(program, s, comm=comm, signature=signature, delta=1.0)[0]
-    return result.nnz, result
-
-
 def start(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
           key_words: jax.Array | None = None, rejected: bool = False) -> jax.Array:
     """Submits ``program`` to the progress engine and returns the job's id (int32) at once."""

@@ -18,7 +18,7 @@ from sparcml_jax.comm.topology import (concatenated_capacity, part_bounds, part_
                                        segment_slot, selected_capacity)
 from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.merge import merge, merge_all
-from sparcml_jax.kernels.partition import partition_bounds, scatter_add
+from sparcml_jax.kernels.partition import partition_bounds, to_dense
 from sparcml_jax.kernels.topk import topk
 from sparcml_jax.stream import (INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, dense_threshold, resize,
                                 with_indices)
@@ -52,9 +52,7 @@ def unpack(buf: jax.Array, capacity: int):
 
 
 def densify(s: SparseStream) -> jax.Array:
-    if s.dense_by_construction:
-        return s.values
-    return scatter_add(s, jnp.zeros((s.size,), VALUE_DTYPE))
+    return to_dense(s)
 
 
 class StaticBuffers:

@@ -1,6 +1,6 @@
 """Stream construction and SparCML's split phase (paper §3 streams, §4 Split_allgather).
 
-* :func:`from_dense` / :func:`scatter_add`: dense vector <-> :class:`SparseStream`.
+* :func:`from_dense` / :func:`to_dense` / :func:`scatter_add`: dense vector <-> :class:`SparseStream`.
 * :func:`coalesce`: unordered (index, value) pairs with repeats -> :class:`SparseStream`, the
   natural form of an embedding or sparse-feature gradient, without touching a dense vector.
 * :func:`partition_bounds` / :func:`split`: the index space ``[0, size)`` cut into ``parts``
@@ -30,6 +30,7 @@ _FROM_DENSE = "sparcml_from_dense"
 _FROM_DENSE_COUNTED = "sparcml_from_dense_counted"
 _COALESCE = "sparcml_coalesce"
 _SCATTER_ADD = "sparcml_scatter_add"
+_TO_DENSE = "sparcml_to_dense"
 _SPLIT = "sparcml_split"
 _GATHER = "sparcml_gather"
 
@@ -308,6 +309,37 @@ def scatter_add_reference(stream: SparseStream, dense: jax.Array) -> jax.Array:
     return dense.at[where].add(jnp.where(valid, stream.values, 0.0), mode="drop")
 
 
+def to_dense(stream: SparseStream) -> jax.Array:
+    """The float32[size] vector ``stream`` represents (:meth:`SparseStream.to_dense`).
+
+    The C kernel zero-fills and scatters one cache-sized block at a time, so the vector crosses
+    memory once: densifying costs about a copy of it. A stream dense by construction is its
+    values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import from_dense
+      >>> from sparcml_jax.kernels.partition import to_dense
+      >>> to_dense(from_dense(jnp.array([0., 2., 0., 5.]), capacity=2)).tolist()
+      [0.0, 2.0, 0.0, 5.0]
+    """
+    check_stream(stream, "stream")
+    if stream.dense_by_construction:
+        return stream.values
+
+    def ffi_impl(stream):
+        _lib.register_cpu_target(_TO_DENSE, "SparcmlToDense")
+        out = jax.ShapeDtypeStruct((stream.size,), VALUE_DTYPE)
+        return jax.ffi.ffi_call(_TO_DENSE, out, vmap_method="sequential")(stream.indices, stream.values, stream.nnz)
+
+    return on_cpu_or_reference(ffi_impl, to_dense_reference, stream)
+
+
+def to_dense_reference(stream: SparseStream) -> jax.Array:
+    """Pure-jnp :func:`to_dense` (no validation; pairs past ``nnz`` are ignored)."""
+    return scatter_add_reference(stream, jnp.zeros((stream.size,), VALUE_DTYPE))
+
+
 # --------------------------------------------------------------------------------------------
 # partition_bounds / split
 
@@ -427,7 +459,9 @@ __all__ = [
     "scatter_add_reference",
     "split",
     "split_reference",
+    "to_dense",
+    "to_dense_reference",
 ]
 
 
-install_conversions(from_dense=from_dense, to_dense=lambda s: scatter_add(s, jnp.zeros((s.size,), VALUE_DTYPE)))
+install_conversions(from_dense=from_dense, to_dense=to_dense)

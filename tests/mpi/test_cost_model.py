@@ -19,7 +19,7 @@ from sparcml_jax import sparse_allreduce
 from sparcml_jax.collectives.cost_model import staged_elements
 from sparcml_jax.stream import SparseStream
 
-SPARCML = ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+SPARCML = ("ssar_recursive_doubling", "ssar_split_allgather")  # (DSAR and dense run on the engine, staging nothing)
 
 
 def xla_elements(algorithm: str, size: int, capacity: int) -> float:

@@ -4,7 +4,8 @@ the volumes derived from the algorithms' own definitions (mpirun -n P).
 The expected numbers come from running the same definition on the simulated transport
 (sparcml_jax/comm/simulated.py) with every rank's actual support: native messages carry 8 bytes
 per pair or 4 per dense entry (headers excluded), whichever SparCML's rule picks; mpi4jax
-messages carry their whole static buffer plus an 8-byte header [nnz, 0]. SparCML's closed forms
+messages carry their whole static buffer plus an 8-byte header [nnz, 0] (its dense allreduce
+and DSAR run on the engine, as native). SparCML's closed forms
 (recursive doubling: 8 k log2 P for identical supports, 8 k (P - 1) for disjoint ones) are
 checked on their own as well.
 """
@@ -26,7 +27,7 @@ from _util import (
 )
 
 from sparcml_jax import ALGORITHMS, sparse_allgather, sparse_allreduce
-from sparcml_jax.collectives._plan import Quantization, definition
+from sparcml_jax.collectives._plan import ENGINE_ALGORITHMS, Quantization, definition
 from sparcml_jax.comm.simulated import SimStream, Simulated
 
 N_SPARSE, CAP_SPARSE, K = 1000, 24, 24  # shares its programs with the other files' "sparse" case
@@ -42,7 +43,8 @@ def simulated_bytes(algorithm: str, inp: Inputs, transport: str, **options) -> l
             ranks.append(SimStream(inp.size, inp.capacity, None, np.ones(inp.size, np.float32)))
         else:
             ranks.append(SimStream.pairs(inp.size, inp.capacity, support, np.ones(support.size)))
-    t = Simulated(NPROCS, inp.size, wire=transport)
+    # (On both MPI transports the dense-result algorithms run on the engine.)
+    t = Simulated(NPROCS, inp.size, wire="native" if algorithm in ENGINE_ALGORITHMS else transport)
     (definition(algorithm) if algorithm != "allgather" else lambda t, s: t.gather(s))(t, ranks, **options)
     return [float(np.float32(sent)) for sent in t.sent]
 
