@@ -101,7 +101,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--density", type=lambda v: None if v == "none" else float(v), default=0.01,
+                        help="fraction of the entries each rank sends, or 'none': every entry, exactly "
+                             "(with --bits 0, the cost of the sparse path on a dense gradient)")
     parser.add_argument("--algorithm", default="dsar_split_allgather",
                         choices=[*sparcml_jax.ALGORITHMS, "auto", *sparcml_jax.GLOBAL_TOPK_ALGORITHMS],
                         help="SparCML's sparse allreduce, or a global top-k one (spardl, oktopk, gtopk)")
@@ -135,7 +137,8 @@ def main(argv=None):
     dense = train("dense", sparcml_jax.dense_allreduce_gradients(), data, args, comm)
     if comm.Get_rank() == 0:
         stats = optax.tree_utils.tree_get(sparse["state"], "stats")
-        method = f"top-k {args.density:.0%} + error feedback" + (f" + {bits}-bit QSGD" if bits else "")
+        method = ("every entry" if args.density is None else f"top-k {args.density:.0%} + error feedback") + (
+            f" + {bits}-bit QSGD" if bits else "")
         print(f"final: test accuracy sparse {sparse['accuracy']:.4f} vs dense {dense['accuracy']:.4f} "
               f"(gap {100 * (dense['accuracy'] - sparse['accuracy']):+.2f} points); "
               f"{method} through {args.algorithm} sends {float(stats.bytes_sent) / 1e3:.1f} kB/step/rank "

@@ -292,8 +292,11 @@ class Pricing:
         return 4.0 * e.size if e.dense_values else min(8.0 * self.count(e), 4.0 * e.size)
 
     def _result_buffers(self, e: Estimate) -> float:
-        """A result of capacity N: fresh length-N index and value buffers."""
-        return 2 * e.size * self.model.element_cost if e.capacity >= e.size else 0.0
+        """A result of capacity N: fresh length-N index and value buffers (values only for a
+        result dense by construction)."""
+        if e.capacity < e.size:
+            return 0.0
+        return (1 if e.dense_values else 2) * e.size * self.model.element_cost
 
     def _merge(self, a: Estimate, b: Estimate, out: Estimate) -> float:
         """Merging two streams. Streams held in fewer slots than their size are pairs however full
@@ -387,7 +390,11 @@ class Pricing:
         self.messages += p - 2
         self._sent += (p - 2) * (8.0 + 8.0 * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p)
         self._stage_everywhere(self._scatter_staging(s))
-        if dense and not self.static:
+        if dense and not self.static and self.is_dense(s):
+            # The slices are sent from where they lie and added into a zero-filled slice (each
+            # element read twice and written once).
+            self._seconds += sends + (1 / p + 3) * n * m.element_cost
+        elif dense and not self.static:
             # The segments are added into a zero-filled slice, no merge: every pair of the stream
             # is read and re-based into its range's message (4 element accesses), then read and
             # added into its owner's slice (3).
