@@ -58,7 +58,8 @@ def sparse_allreduce(
       algorithm: ``"auto"`` (alpha-beta cost model, §5.3), ``"ssar_recursive_doubling"``,
         ``"ssar_split_allgather"``, ``"dsar_split_allgather"``, ``"sparse_ring"`` or ``"dense"``.
       transport: over MPI ``"native"`` (our MPI engine: only valid entries travel; the default)
-        or ``"mpi4jax"`` (whole static buffers); over a mesh axis ``"xla"`` (the default).
+        or ``"mpi4jax"`` (whole static buffers; the dense allreduce and DSAR, whose result is
+        dense, run on the native engine on both); over a mesh axis ``"xla"`` (the default).
       delta: dense switch threshold: dense once ``8 nnz >= delta * 4 size``.
       quantize_bits: QSGD bits (2, 4, 8) for DSAR's dense allgather phase (§6); needs ``key``.
       key: PRNG key for QSGD; pass a fresh one every step.

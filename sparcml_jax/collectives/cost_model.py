@@ -459,9 +459,12 @@ class Pricing:
     def allreduce(self, s: Estimate) -> Estimate:
         m = self.model
         out = Estimate(s.size, s.size, self.nprocs, dense_values=True)
-        # Densified into the result, MPI_Allreduce in place. The XLA transport densifies into a
-        # fresh XLA buffer first.
+        # A dense input is reduced from where it lies. Pairs are densified into the result (the
+        # zero-filled vector, and each pair's index and value read and its entry written), which
+        # is then reduced in place. The XLA transport densifies into a fresh XLA buffer first.
         self._seconds += m.dense_alpha + 4.0 * s.size * m.dense_beta + self._result_buffers(out)
+        if not self.is_dense(s):
+            self._seconds += 3 * self.count(s) * m.element_cost
         self._sent += 2 * (self.nprocs - 1) / self.nprocs * 4.0 * s.size
         if self.static:
             self._seconds += 2 * s.size * m.element_cost

@@ -6,6 +6,9 @@ recursive doubling and the ring, ``[nnz, 0]``, ``[indices...]`` and ``[values...
 messages: indices and values then go straight from and into XLA's buffers. (Packing the values
 with the indices cost 3.8-4.1 ms against 2.2-2.4 ms at N = 2^22, 1 %, P = 4.) Once a stream's
 capacity reaches the dense length, it travels as the dense vector instead (4 bytes per entry).
+:func:`sparcml_jax.sparse_allreduce` runs the algorithms whose result is dense (the dense
+allreduce and DSAR, ``ENGINE_ALGORITHMS``) on the native engine instead, on both MPI transports;
+this transport carries SSAR, the ring, the allgather and the global top-k allreduces.
 
 Static buffers cannot carry an abort, so a call first runs the native agreement step
 (:func:`sparcml_jax.comm.native.agree`): ranks compare their static choices and validate their
