@@ -74,7 +74,7 @@ def cluster_model(compute: CostModel, network: Network, nprocs: int) -> CostMode
       >>> model = cluster_model(compute, NETWORKS["1gbit"], 1024)
       >>> wire = 2 * 1023 / 1024 * 4 * (1 << 24) / 125e6  # 2 (P - 1) / P * 64 MB at 125 MB/s
       >>> round(wire, 3), round(model.predict("dense", size=1 << 24, nnz=1 << 24, nprocs=1024), 3)
-      (1.073, 1.107)
+      (1.073, 1.1)
     """
     share = (nprocs - 1) / nprocs
     return dataclasses.replace(
