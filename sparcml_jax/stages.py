@@ -115,7 +115,8 @@ class ErrorFeedbackState(NamedTuple):
 
 
 class ReduceState(NamedTuple):
-    """:func:`reduce_streams`'s step count, PRNG key data (for QSGD) and the last update's stats."""
+    """:func:`reduce_streams`'s step count, PRNG key data (for QSGD: without it the key stays as
+    seeded) and the last update's stats."""
 
     count: jax.Array
     key: jax.Array
@@ -305,13 +306,17 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         group = Group.of(comm, axis_name)
         nprocs = group.size
         dense, fused, given = updates.parts() if hasattr(updates, "parts") else _parts(updates)
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        if quantize_bits is None:  # no QSGD: no key to draw
+            key, keys = state.key, [None] * len(fused)
+        else:
+            key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+            key, keys = jax.random.key_data(key), [jax.random.fold_in(step_key, g) for g in range(len(fused))]
         warming = warming_up(state.count, warmup_steps)
         reduced_dense = dense_sum(dense, group, average)
         pending = [_prepare(x, warming, capacity, group) for x in fused]
         on_group = dict(collective, transport=group.transport(transport))
-        options = [dict(on_group, quantize_bits=quantize_bits, key=jax.random.fold_in(step_key, g))
-                   for g in range(len(fused))] + [dict(on_group, quantize_bits=None)] * len(given)
+        options = [dict(on_group, quantize_bits=quantize_bits, key=k) for k in keys] + \
+            [dict(on_group, quantize_bits=None)] * len(given)
         streams = [stream for stream, _ in pending] + list(given)
         send_dense = [dense_when for _, dense_when in pending] + [None] * len(given)
         vectors = list(fused) + [None] * len(given)
@@ -323,7 +328,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             results = [_reduce_one(s, v, when, group, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
         out = [_averaged(r, nprocs, average) for r, _, _ in results]
         stats = _stats(streams, results, len(fused), warming)
-        new_state = ReduceState(state.count + 1, jax.random.key_data(key), stats)
+        new_state = ReduceState(state.count + 1, key, stats)
         rebuilt = updates.replace_parts(reduced_dense, out[:len(fused)], out[len(fused):]) \
             if hasattr(updates, "parts") else _replace_parts(updates, reduced_dense, out)
         return rebuilt, new_state
