@@ -148,9 +148,9 @@ class SparseStream:
         return _conversions["from_dense"](x, capacity=capacity, delta=delta)
 
     def to_dense(self) -> jax.Array:
-        """The float32[size] vector this stream represents (an invalid stream raises)."""
-        if self.dense_by_construction:
-            return self.values
+        """The float32[size] vector this stream represents (an invalid stream raises). A stream
+        dense by construction is its values: a count other than its size raises where the count
+        is known while tracing, and in every kernel that reads the stream."""
         return _conversions["to_dense"](self)
 
     def wire_bytes(self) -> jax.Array:
@@ -176,10 +176,13 @@ def dense_stream(values: jax.Array) -> SparseStream:
 
 def with_indices(s: SparseStream) -> SparseStream:
     """``s`` in buffers of pairs (index and value buffers of equal capacity), for the operations
-    that may turn a dense stream into pairs. A stream dense by construction gets indices 0..size-1."""
+    that may turn a dense stream into pairs. A stream dense by construction gets indices 0..size-1
+    (shifted out of range if its nnz is not its size, so that the kernels reject it)."""
     if not s.dense_by_construction or s.size == 0:
         return s
-    return SparseStream(jnp.arange(s.size, dtype=INDEX_DTYPE), s.values, s.nnz, s.size)
+    shift = jnp.where(s.nnz == s.size, 0, s.size).astype(INDEX_DTYPE)
+    indices = jnp.arange(s.size, dtype=INDEX_DTYPE) + shift
+    return SparseStream(indices, s.values, s.nnz, s.size)
 
 
 def resize(s: SparseStream, capacity: int) -> SparseStream:

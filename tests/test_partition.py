@@ -425,7 +425,7 @@ def test_to_dense_matches_numpy_and_reference(size, nnz, capacity):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 300).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
 def test_to_dense_any_gaps(case):
-    # Gaps of every length: the kernel zero-fills short gaps entry by entry and long ones with memset.
+    # Supports of every shape: empty, full, runs and gaps of every length.
     size, support = case
     idx = np.array(sorted(support), np.int32)
     s = make_stream(idx, np.arange(1, idx.size + 1), size, capacity=idx.size + 3)
@@ -440,6 +440,16 @@ def test_to_dense_of_a_stream_dense_by_construction_is_its_values():
     s = SparseStream.dense(x)
     assert to_dense(s) is s.values and s.to_dense() is s.values
     np.testing.assert_array_equal(np.asarray(to_dense_reference(s)), np.asarray(x))
+
+
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.3, 0.9, 1.0])
+def test_to_dense_across_blocks(density):
+    # The kernel works in blocks of 4096 entries: supports that cross several of them.
+    size = 3 * 4096 + 123
+    x = sparse_vector(np.random.default_rng(int(density * 1000)), size, int(density * size))
+    s = from_dense(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(to_dense(s)), x)
+    np.testing.assert_array_equal(np.asarray(to_dense_reference(s)), x)
 
 
 def test_to_dense_vmaps():
@@ -587,10 +597,14 @@ def _bad_streams():
         (SparseStream(good.indices.at[0].set(-1), good.values, good.nnz, 10), r"stream: indices must lie in \[0, n=10\); found -1"),
         (SparseStream(good.indices, good.values, jnp.int32(6), 10), r"stream: nnz=6 exceeds its capacity 5"),
         (SparseStream(good.indices, good.values, jnp.int32(-1), 10), r"stream: nnz=-1 is negative"),
+        # No index array but a count below the size (with indices made up, they lie out of range).
+        (SparseStream(jnp.zeros((0,), jnp.int32), jnp.ones(10), jnp.int32(3), 10),
+         r"stream: (a stream without indices is dense: its nnz must be its size 10, got 3|indices must lie in "
+         r"\[0, n=10\))"),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_bad_streams_raise_at_run_time(case):
     bad, match = _bad_streams()[case]
     with pytest.raises(ERRORS, match=match):
@@ -598,7 +612,10 @@ def test_bad_streams_raise_at_run_time(case):
     with pytest.raises(ERRORS, match=match):
         bad.to_dense().block_until_ready()
     with pytest.raises(ERRORS, match=match):
-        jax.jit(to_dense)(bad).block_until_ready()
+        jax.jit(scatter_add)(bad, jnp.zeros(10)).block_until_ready()
+    if not bad.dense_by_construction:  # (whose traced count to_dense trusts: it returns the values)
+        with pytest.raises(ERRORS, match=match):
+            jax.jit(to_dense)(bad).block_until_ready()
     for _ in range(2):
         with pytest.raises(ERRORS, match=match):
             jax.jit(split, static_argnums=1)(bad, 3).block_until_ready()

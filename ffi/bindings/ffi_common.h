@@ -20,10 +20,11 @@ inline ffi::Error KernelError(int status, const char* err) {
 inline int64_t Length(const ffi::AnyBuffer& b) { return static_cast<int64_t>(b.element_count()); }
 
 // The capacity of a stream held in index and value buffers of these lengths. A stream dense by
-// construction has no index buffer and its n values; with any other count it holds nothing, so
-// that the kernel's check rejects it instead of reading indices that are not there.
+// construction has no index buffer and its n values; with any other count it is invalid (-1,
+// which sparcml_check_stream rejects by name) rather than empty or read through indices that are
+// not there.
 inline int64_t StreamCapacity(int64_t index_length, int64_t value_length, int64_t nnz, int64_t n) {
-  if (index_length == 0 && value_length == n) return nnz == n ? n : 0;
+  if (index_length == 0 && value_length == n && n > 0) return nnz == n ? n : -1;
   return index_length;
 }
 

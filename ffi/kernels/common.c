@@ -13,6 +13,13 @@ void sparcml_pad_tail(int32_t *indices, float *values, int64_t nnz, int64_t capa
 
 int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, int64_t capacity,
                          int64_t n, char *err) {
+  if (capacity < 0) {
+    snprintf(err, SPARCML_ERRLEN,
+             "%s: a stream without indices is dense: its nnz must be its size %lld, got %lld; build it with "
+             "SparseStream.dense(x), or pass indices",
+             name, (long long)n, (long long)nnz);
+    return 1;
+  }
   if (nnz < 0) {
     snprintf(err, SPARCML_ERRLEN, "%s: nnz=%lld is negative", name, (long long)nnz);
     return 1;

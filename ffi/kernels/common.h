@@ -22,7 +22,8 @@ extern "C" {
 /* Fills the tail [nnz, capacity) with index n and value 0. */
 void sparcml_pad_tail(int32_t *indices, float *values, int64_t nnz, int64_t capacity, int64_t n);
 
-/* Checks 0 <= nnz <= capacity, indices strictly increasing and inside [0, n).
+/* Checks 0 <= nnz <= capacity, indices strictly increasing and inside [0, n). A negative
+ * capacity marks a stream without indices whose nnz is not n (such a stream must be dense).
  * name is the argument's name used in the message. */
 int sparcml_check_stream(const char *name, const int32_t *indices, int64_t nnz, int64_t capacity,
                          int64_t n, char *err);

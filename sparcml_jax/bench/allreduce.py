@@ -56,8 +56,8 @@ SPARCML_BESIDE_GLOBAL_TOPK = ("auto", "ssar_recursive_doubling", "ssar_split_all
 
 def make_stream(size: int, k: int, support: str, rank: int, nprocs: int, seed: int = 0) -> SparseStream:
     """A rank's k-sparse stream with the given support pattern (values are small integers): k
-    pairs, or from SparCML's dense switch on (``8 k >= 4 N``) the dense vector, as
-    :func:`sparcml_jax.from_dense` builds it there."""
+    pairs, or from SparCML's dense switch on (``8 k >= 4 N``) the dense vector without indices
+    (:meth:`SparseStream.dense`)."""
     rng = np.random.default_rng(seed + (0 if support == "identical" else 1000 + rank))
     if support in ("uniform", "identical"):
         idx = rng.choice(size, k, replace=False)

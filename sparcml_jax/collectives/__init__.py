@@ -145,8 +145,8 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
         name = algorithm
         if plan.transport == "mpi4jax" and algorithm == "auto":
             (_, name), = _choices(plan, model, stream.size, stream.capacity, dense)
-        # The engine's dense allreduce is one densification straight into the result (none for
-        # a stream dense already) and one MPI_Allreduce on it in place.
+        # The engine's dense allreduce is one MPI_Allreduce: from the caller's buffer for a dense
+        # stream, else on the stream densified straight into the result, in place.
         if plan.transport == "native" or name in ENGINE_ALGORITHMS:
             program = native_program(plan, name, model, stream.size, stream.capacity, dense)
             result, code, sent, dense_round = native.run(program, stream, comm=plan.comm, signature=signature,

@@ -1,5 +1,6 @@
-"""The dense baseline: MPI_Allreduce (mpi4jax's, or the native transport's own call, which
-densifies the stream straight into the result buffer)."""
+"""The dense baseline: MPI_Allreduce of a vector via mpi4jax (:func:`dense_allreduce`), and the
+dense algorithm of :func:`sparcml_jax.sparse_allreduce`, which the engine runs on both MPI
+transports (from the caller's buffer for a dense stream, else densified into the result)."""
 
 from __future__ import annotations
 

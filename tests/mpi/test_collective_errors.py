@@ -188,6 +188,26 @@ def test_bad_stream_on_one_rank_raises_everywhere(transport, algorithm):
         assert_recovered(algorithm, transport)  # the eager call resets JAX's token itself
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stream_without_indices_and_a_wrong_count_on_one_rank(transport):
+    """A stream without an index array must hold its size's count: a known count is rejected
+    while tracing, a traced one by the engine, on every rank."""
+    def stream():
+        nnz = SIZE if RANK != BAD_RANK else 7
+        return SparseStream(jnp.zeros((0,), jnp.int32), jnp.ones(SIZE), jnp.asarray(nnz, jnp.int32), SIZE)
+
+    def message(rank):
+        return "a stream without indices is dense" if rank == BAD_RANK else "another rank"
+
+    step = jax.jit(lambda s: sparse_allreduce(s, algorithm="dense", transport=transport).to_dense())
+    expect_error_everywhere(lambda: sparse_allreduce(stream(), algorithm="dense", transport=transport), message,
+                            f"a dense stream with nnz=7 on rank {BAD_RANK} ({transport})")
+    assert_recovered("dense", transport)
+    expect_error_everywhere(lambda: step(stream()), message, f"jit: a dense stream with nnz=7 ({transport})")
+    sparcml_jax.reset_after_error()
+    assert_recovered("dense", transport)
+
+
 def test_bad_stream_on_one_rank_inside_user_jit():
     @jax.jit
     def step(s):

@@ -36,7 +36,8 @@ from _util import (
     run_and_agree,
 )
 
-from sparcml_jax import ALGORITHMS, SparseStream, sparse_allgather, sparse_allreduce
+from sparcml_jax import (ALGORITHMS, SparseStream, sparse_allgather, sparse_allreduce, sparse_allreduce_start,
+                         sparse_allreduce_wait)
 
 from sparcml_jax.collectives._plan import Plan
 from sparcml_jax.collectives.auto import best, choice_table
@@ -154,6 +155,34 @@ def test_allreduce_matches_numpy_sum(config, transport, algorithm):
             else:  # auto must be exactly the algorithm it reports
                 failures += compare_with_explicit(label, inp, transport, ALGORITHMS[choices[0]], out, stats)
     agree_all(failures, f"sparse_allreduce {algorithm}/{transport} on {config}")
+
+
+def dense_input_cases() -> list[tuple[str, str]]:
+    algorithms = ALGORITHMS_AND_AUTO if NPROCS <= 4 else ("dense", "dsar_split_allgather", "auto")
+    return [(t, a) for t in TRANSPORTS for a in algorithms]
+
+
+@pytest.mark.parametrize("transport,algorithm", dense_input_cases())
+def test_allreduce_of_a_stream_dense_by_construction(transport, algorithm):
+    """A stream without an index array (SparseStream.dense): every algorithm on both transports,
+    and the non-blocking engine; the dense allreduce reduces it from where it lies."""
+    inp = Inputs(1001, 1001, 1001, "random", seed=77)
+    stream = SparseStream.dense(jnp.asarray(inp.x))
+    label = f"{algorithm}/{transport} dense by construction {inp}"
+    failures, out = [], None
+    try:
+        out, stats = sparse_allreduce(stream, algorithm=algorithm, transport=transport, return_stats=True)
+        jax.block_until_ready((out, stats))
+        failures += check_result(label, algorithm, inp, out, stats, transport=transport)
+        if transport == "native":
+            waited, waited_stats = sparse_allreduce_wait(sparse_allreduce_start(stream, algorithm=algorithm),
+                                                         return_stats=True)
+            failures += check_result(f"{label} (start/wait)", algorithm, inp, waited, waited_stats)
+    except Exception as e:  # noqa: BLE001 - reported collectively below
+        failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+        out = None
+    failures += check_identical_on_all_ranks(out, label)
+    agree_all(failures, f"sparse_allreduce of a dense stream, {algorithm}/{transport}")
 
 
 def compare_with_explicit(label: str, inp: Inputs, transport: str, chosen: str, out: SparseStream, stats) -> list[str]:
