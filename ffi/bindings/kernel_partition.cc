@@ -51,10 +51,10 @@ ffi::Error ToDenseImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi
                        ffi::ResultBuffer<ffi::F32> out) {
   char err[SPARCML_ERRLEN] = {0};
   int64_t n = static_cast<int64_t>(out->element_count()), count = nnz.typed_data()[0];
-  int64_t cap = sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n);
-  if (sparcml_check_stream("stream", idx.typed_data(), count, cap, n, err)) return sparcml::KernelError(1, err);
-  sparcml_densify(idx.typed_data(), val.typed_data(), count, n, out->typed_data());
-  return ffi::Error::Success();
+  int status = sparcml_to_dense(idx.typed_data(), val.typed_data(), count,
+                                sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n), n,
+                                out->typed_data(), err);
+  return sparcml::KernelError(status, err);
 }
 
 ffi::Error SplitImpl(ffi::Buffer<ffi::S32> idx, ffi::BufferR0<ffi::S32> nnz, ffi::ResultBuffer<ffi::S32> offsets,

@@ -171,6 +171,13 @@ int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64
   return 0;
 }
 
+int sparcml_to_dense(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, int64_t n, float *out,
+                     char *err) {
+  if (sparcml_check_stream("stream", idx, nnz, cap, n, err)) return 1;
+  sparcml_densify(idx, val, nnz, n, out);
+  return 0;
+}
+
 void sparcml_densify(const int32_t *idx, const float *val, int64_t nnz, int64_t n, float *out) {
   if (nnz == n) {
     if (n > 0 && out != val) memcpy(out, val, (size_t)n * sizeof(float));

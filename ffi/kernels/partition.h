@@ -46,6 +46,10 @@ int sparcml_scatter_add(const int32_t *idx, const float *val, int64_t nnz, int64
  * (nnz == n). */
 void sparcml_densify(const int32_t *idx, const float *val, int64_t nnz, int64_t n, float *out);
 
+/* sparcml_densify of a stream that is checked first (nonzero on error, message in err). */
+int sparcml_to_dense(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, int64_t n, float *out,
+                     char *err);
+
 /* First index of part r when [0, n) is split into parts ranges: part r covers
  * [r * (n / parts), (r + 1) * (n / parts)), the last part also takes the remainder.
  * Defined for 0 <= r <= parts (r == parts gives n). */

@@ -15,7 +15,7 @@ ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_
 # Their result is the dense vector. On both MPI transports they run on the native engine, which
 # sends every segment at its fill and reduces dense vectors in place: static buffers send each
 # segment at its capacity and stage copies of N values around every call (DSAR on them measured
-# 2.3-5x the dense allreduce at 10-50 %, P = 4, N = 2^22).
+# 2.3-6.0x the dense allreduce at 10-50 %, P = 4, N = 2^22).
 ENGINE_ALGORITHMS = ("dense", "dsar_split_allgather")
 # The global top-k allreduces (their result keeps about k entries, the rest goes to residuals).
 GLOBAL_TOPK_ALGORITHMS = ("spardl", "gtopk", "oktopk")

@@ -67,10 +67,10 @@ def check_stream(s: Any, name: str) -> SparseStream:
     if s.indices.dtype != INDEX_DTYPE or s.values.dtype != VALUE_DTYPE:
         raise TypeError(f"{name}: indices must be int32 and values float32, got {s.indices.dtype}, {s.values.dtype}")
     # A traced count is checked by the C kernels that read the stream.
-    if (s.dense_by_construction and isinstance(s.nnz, (int, np.integer, np.ndarray, jax.Array))
-            and not isinstance(s.nnz, jax.core.Tracer) and int(np.asarray(s.nnz)) != s.size):
+    known = isinstance(s.nnz, (int, np.integer, np.ndarray, jax.Array)) and not isinstance(s.nnz, jax.core.Tracer)
+    if s.dense_by_construction and known and (count := int(np.asarray(s.nnz))) != s.size:
         raise ValueError(f"{name}: a stream without indices is dense: its nnz must be its size {s.size}, got "
-                         f"{int(np.asarray(s.nnz))}; build it with SparseStream.dense(x), or pass indices")
+                         f"{count}; build it with SparseStream.dense(x), or pass indices")
     return s
 
 
