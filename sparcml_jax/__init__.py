@@ -10,6 +10,7 @@ from sparcml_jax.collectives import (
     AllreduceStats,
     CostModel,
     dense_allreduce,
+    nonzeros_allreduce,
     sparse_allgather,
     sparse_allreduce,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "merge",
     "merge_capacity",
     "merge_reference",
+    "nonzeros_allreduce",
     "partition_bounds",
     "plan_leaves",
     "qsgd_dequantize",

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import optax
 from mpi4py import MPI
 
-from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allreduce
+from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, nonzeros_allreduce, sparse_allreduce
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.global_topk import OktopkState, global_topk_allreduce, init_oktopk_state
 from sparcml_jax.collectives.global_topk import check_options as check_global_topk_options
@@ -251,8 +251,9 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
     ``transport``, QSGD with ``quantize_bits`` on DSAR's dense phase, keyed per buffer like
     :func:`sparsify`); dense leaves travel in one dense allreduce. Of a
     :class:`~sparcml_jax.transform.LeafGroups`, the small leaves travel dense, the fused buffers
-    as streams (a dense buffer is sent as its nonzeros, exactly: at most ``capacity`` of them, or
-    dense when any rank has more or during warm-up), and the streams the gradient brought are
+    as streams (a dense buffer is sent as its nonzeros, exactly, by
+    :func:`sparcml_jax.nonzeros_allreduce`; with ``capacity`` at most that many of them, or dense
+    when any rank has more or during warm-up), and the streams the gradient brought are
     summed exactly, without QSGD. The averaged result is ``sum_i s_i / P``.
 
     Args:
@@ -313,7 +314,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             key, keys = jax.random.key_data(key), [jax.random.fold_in(step_key, g) for g in range(len(fused))]
         warming = warming_up(state.count, warmup_steps)
         reduced_dense = dense_sum(dense, group, average)
-        pending = [_prepare(x, warming, capacity, group) for x in fused]
+        pending = [_prepare(x, warming, capacity, group, nonblocking) for x in fused]
         on_group = dict(collective, transport=group.transport(transport))
         options = [dict(on_group, quantize_bits=quantize_bits, key=k) for k in keys] + \
             [dict(on_group, quantize_bits=None)] * len(given)
@@ -327,7 +328,8 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         else:
             results = [_reduce_one(s, v, when, group, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
         out = [_averaged(r, nprocs, average) for r, _, _ in results]
-        stats = _stats(streams, results, len(fused), warming)
+        sizes = [x.size if is_stream(x) else x.shape[0] for x in fused] + [s.size for s in given]
+        stats = _stats(sizes, results, len(fused), warming)
         new_state = ReduceState(state.count + 1, key, stats)
         rebuilt = updates.replace_parts(reduced_dense, out[:len(fused)], out[len(fused):]) \
             if hasattr(updates, "parts") else _replace_parts(updates, reduced_dense, out)
@@ -370,11 +372,14 @@ def split_like(flat: jax.Array, like: list[tuple[tuple[int, ...], Any]]) -> list
     return out
 
 
-def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Group):
-    """The stream a fused buffer travels as, and when (if ever) it travels dense instead."""
+def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Group, nonblocking: bool):
+    """The stream a fused buffer travels as, and when (if ever) it travels dense instead; None
+    for a buffer whose nonzeros the collective finds itself (:func:`nonzeros_allreduce`)."""
     if is_stream(x):
         return x, None
     n = x.shape[0]
+    if capacity is None and warming is None and not nonblocking:
+        return None, None
     if capacity is not None and capacity < n:
         stream, count = from_dense_counted(x, capacity)
         too_many = group.max(count) > capacity
@@ -388,6 +393,8 @@ def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Gro
 def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.Array | None, group: Group,
                 options: dict) -> tuple[Any, Any, jax.Array | None]:
     """(sum, its AllreduceStats, whether it went dense); with ``send_dense`` the sum is dense."""
+    if stream is None:
+        return (*nonzeros_allreduce(vector, **group.where, return_stats=True, **options), None)
     if send_dense is None:
         return (*sparse_allreduce(stream, **group.where, return_stats=True, **options), None)
     nprocs, n = group.size, vector.shape[0]
@@ -418,18 +425,19 @@ def _averaged(reduced: Any, nprocs: int, average: bool) -> Any:
     return reduced / nprocs
 
 
-def _stats(streams: list, results: list, fused: int, warming: jax.Array | None) -> GradientStats:
-    """Nonzeros and bytes of every stream; the algorithm of the largest fused buffer (else stream)."""
-    if not streams:
+def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | None) -> GradientStats:
+    """Nonzeros and bytes of every buffer (of these sizes); the algorithm of the largest fused
+    buffer (else stream)."""
+    if not sizes:
         return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
     nnz = sum(stats.result_nnz.astype(jnp.float32) for _, stats, _ in results)
     sent = sum(stats.bytes_sent for _, stats, _ in results)
-    candidates = range(fused) if fused else range(len(streams))
-    largest = max(candidates, key=lambda i: streams[i].size)
+    candidates = range(fused) if fused else range(len(sizes))
+    largest = max(candidates, key=lambda i: sizes[i])
     code = results[largest][1].algorithm
     if warming is not None:
         code = jnp.where(warming, SENT_DENSE, code)
-    return GradientStats(nnz / max(sum(s.size for s in streams), 1), jnp.asarray(sent, jnp.float32), code)
+    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), code)
 
 
 class GlobalTopkState(NamedTuple):

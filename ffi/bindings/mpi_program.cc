@@ -68,6 +68,10 @@ class Interpreter {
       skip += row[2];
     }
     const int64_t* chosen = rows + picked * kWords;
+    // The branch ends by moving its result into the program's: what it stores there is written
+    // straight into the caller's buffers instead of a scratch register copied out at the end.
+    const int64_t* last = rows + (start + chosen[2] - 1) * kWords;
+    if (chosen[2] > 0 && last[0] == kMove && last[1] == args_.result_register) result_alias_ = last[3];
     Run(rows + start * kWords, chosen[2]);
     return skip;
   }
@@ -80,7 +84,7 @@ class Interpreter {
         // DSAR: when the next step gathers this rank's dense slice into the result, the slice is
         // summed in its place there (the allgather then sends it from where it lies).
         bool in_place = next && next[0] == kAllgather && next[3] == dst && next[4] != kPairs &&
-                        next[1] == args_.result_register;
+                        (next[1] == args_.result_register || next[1] == result_alias_);
         ReduceScatter(dst, cap, w[3], w[4] != 0, in_place);
         break;
       }
@@ -116,6 +120,7 @@ class Interpreter {
         break;
       }
       case kResidual: Residual(dst, w[3], w[4], w[5]); break;
+      case kNonzeros: Nonzeros(dst, cap, w[3]); break;
       default: throw std::runtime_error("unknown instruction " + std::to_string(w[0]));
     }
   }
@@ -130,7 +135,8 @@ class Interpreter {
     s.n = n;
     s.dense = dense;
     int64_t slots = dense ? n : pairs;
-    if (reg == args_.result_register && output_.val && slots <= (dense ? output_.capacity : output_.index_capacity)) {
+    bool result = reg >= 0 && (reg == args_.result_register || reg == result_alias_);
+    if (result && output_.val && slots <= (dense ? output_.capacity : output_.index_capacity)) {
       s.storage.reset();
       s.idx = dense ? nullptr : output_.idx;
       s.val = output_.val;
@@ -208,6 +214,36 @@ class Interpreter {
     out.nnz = count;
     out.dense = may_dense && count == n;  // densified in place: the indices are 0..n-1
     return out;
+  }
+
+  // sparcml_from_dense in the engine: a dense register stays where it lies when its nonzeros
+  // reach the threshold, so a dense vector costs one counting pass, and only a sparse one is
+  // compacted (into exactly its count of pairs, not a capacity of n).
+  void Nonzeros(int64_t dst, int64_t cap, int64_t src) {
+    Stream s = Reg(src);
+    s.capacity = cap;
+    if (!s.dense || call_.failed()) {
+      Reg(dst) = s;
+      return;
+    }
+    int64_t threshold = DenseThreshold(s.n, args_.delta);
+    int64_t count = sparcml_count_nonzeros(s.val, s.n, cap >= s.n ? threshold : INT64_MAX);
+    if (count >= threshold && cap >= s.n) {
+      Reg(dst) = s;
+      return;
+    }
+    if (count > cap) {
+      Fail("the vector has more nonzeros than the stream's capacity");
+      Reg(dst) = Empty(s.n, cap);
+      return;
+    }
+    Stream out;
+    out.capacity = cap;
+    Writable w = Allocate(out, dst, s.n, count, false);
+    int64_t kept = 0, counted = 0;
+    sparcml_from_dense_counted(s.val, s.n, w.idx, w.val, count, &kept, &counted);
+    out.nnz = count;
+    Reg(dst) = out;
   }
 
   // A sparse stream that reached the threshold in a capacity that holds n: its dense form.
@@ -549,10 +585,12 @@ class Interpreter {
       // are densified in the result, which is then reduced in place.
       bool from_source = s.dense && p > 1 && s.val != w.val;
       if (!from_source) StoreDense(s, w.val);
-      if (p > 1) {
+      const void* send = from_source ? s.val : MPI_IN_PLACE;
+      if (p > 1 && !call_.background()) {
+        MPI_Allreduce(send, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM, call_.comm());
+      } else if (p > 1) {
         MPI_Request request;
-        MPI_Iallreduce(from_source ? s.val : MPI_IN_PLACE, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM,
-                       call_.comm(), &request);
+        MPI_Iallreduce(send, w.val, static_cast<int>(n), MPI_FLOAT, MPI_SUM, call_.comm(), &request);
         call_.Await(&request, 1);
       }
       // The volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.
@@ -747,6 +785,7 @@ class Interpreter {
   Call& call_;
   Output output_;
   std::vector<Stream> regs_;
+  int64_t result_alias_ = -1;  // the chosen branch's result register
   int round_ = 0;
 
  public:

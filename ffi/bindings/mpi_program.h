@@ -31,6 +31,7 @@ enum Op : int64_t {
                        // c: 1 + operand of a run-time threshold (then only entries of at least its magnitude)
   kAddLocal = 13,      // a + b on this rank: a: register, b: register
   kResidual = 14,      // a: input, b: held, c: result; dense: b where c is nonzero, a elsewhere
+  kNonzeros = 15,      // a: a dense register, as its nonzeros' pairs unless their count reaches the threshold
 };
 constexpr int kWords = 8;
 // kExchange's combine; with kHandOver a rank that sends is left with what it receives, or nothing;

@@ -141,6 +141,7 @@ class Call {
   int64_t nnz_max() const { return nnz_max_; }
   // Whether every rank already holds every rank's flags (an all-to-all or Agree happened).
   bool agreed() const { return agreed_; }
+  bool background() const { return background_; }
   void MarkAgreed() { agreed_ = true; }
 
   // Joins the call's abort: tells every peer, then receives everything the peers sent in this

@@ -9,6 +9,10 @@
 extern "C" {
 #endif
 
+/* The count of x != 0 over x[0..n) (NaN counts, -0.0 does not), as sparcml_from_dense counts;
+ * once it reaches limit, the count so far (at least limit, less than limit + 4096). */
+int64_t sparcml_count_nonzeros(const float *x, int64_t n, int64_t limit);
+
 /* One pass: the first min(count, out_cap) nonzeros of x as pairs (never the dense form), and
  * the true count, so that callers can detect an overflow collectively instead of failing. */
 void sparcml_from_dense_counted(const float *x, int64_t n, int32_t *out_idx, float *out_val, int64_t out_cap,

@@ -23,12 +23,13 @@ from sparcml_jax.collectives.validate import (allreduce_signature, call_and_reco
                                               check_allreduce_arguments, reject_everywhere, reset_after_error)
 from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
-from sparcml_jax.kernels._common import check_stream
+from sparcml_jax.kernels._common import check_stream, check_vector
+from sparcml_jax.kernels.partition import from_dense
 from sparcml_jax.kernels.qsgd import key_words
-from sparcml_jax.stream import SparseStream, dense_threshold, with_indices
+from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold, with_indices
 
-__all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "reset_after_error", "sparse_allgather",
-           "sparse_allreduce"]
+__all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "nonzeros_allreduce", "reset_after_error",
+           "sparse_allgather", "sparse_allreduce"]
 
 def sparse_allreduce(
     stream: SparseStream,
@@ -109,6 +110,84 @@ def sparse_allreduce(
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
     result, stats = call_and_recover(fn, stream, key)
     return (result, stats) if return_stats else result
+
+
+def nonzeros_allreduce(
+    x: jax.Array,
+    *,
+    comm: MPI.Comm | None = None,
+    axis_name: Hashable | None = None,
+    algorithm: str = "auto",
+    transport: str | None = None,
+    delta: float = 1.0,
+    quantize_bits: int | None = None,
+    key: jax.Array | None = None,
+    bucket_size: int = 1024,
+    quantize_scale: str = "max",
+    cost_model: CostModel | None = None,
+    return_stats: bool = False,
+):
+    """Sum of every rank's float32 vector ``x``, sent as its nonzeros: SparCML for gradients
+    that are sparse or dense only at run time.
+
+    It is ``sparse_allreduce(from_dense(x, delta=delta), ...).to_dense()`` without forming the
+    stream. On the native engine each rank counts the nonzeros of ``x`` (one pass), the ranks
+    agree on the largest count, ``"auto"`` chooses on it, and ``x`` is compacted into pairs only
+    when its count is below the dense threshold: a dense ``x`` goes to MPI_Allreduce from where it
+    lies. The arguments are those of :func:`sparse_allreduce`; the stats' ``result_nnz`` counts
+    the sum's entries as a stream (``x.size`` once it is dense).
+
+    Example (under ``mpirun -n P``; one process returns ``x``):
+      >>> import jax.numpy as jnp
+      >>> from mpi4py import MPI
+      >>> from sparcml_jax import nonzeros_allreduce
+      >>> x = jnp.zeros(8).at[MPI.COMM_WORLD.rank % 8].set(1.0)
+      >>> float(nonzeros_allreduce(x).sum()) == MPI.COMM_WORLD.size
+      True
+    """
+    x = check_vector(x, "x")
+    if axis_name is not None:
+        total, stats = sparse_allreduce(
+            from_dense(x, delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm, transport=transport,
+            delta=delta, quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
+            quantize_scale=quantize_scale, cost_model=cost_model, return_stats=True)
+        return (total.to_dense(), stats) if return_stats else total.to_dense()
+    comm = resolve_comm(comm)
+    transport = "native" if transport is None else transport
+    try:
+        plan = check_allreduce(comm, dense_stream(x), algorithm=algorithm, transport=transport, delta=delta,
+                               quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
+                               quantize_scale=quantize_scale)
+    except (TypeError, ValueError) as e:
+        reject_everywhere(comm, e)
+    model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
+    key = jnp.zeros((2,), jnp.uint32) if key is None else key
+    total, stats = call_and_recover(_compiled_on_nonzeros(plan, algorithm, model), x, key)
+    return (total, stats) if return_stats else total
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None):
+    @jax.jit
+    def run(x, key):
+        n = x.shape[0]
+        name = algorithm
+        if plan.transport == "mpi4jax" and algorithm == "auto":
+            (_, name), = _choices(plan, model, n, n)
+        if plan.transport != "native" and name not in ENGINE_ALGORITHMS:  # static buffers: the stream of capacity n
+            total, stats = _compiled(plan, algorithm, model)(from_dense(x, delta=plan.delta), key)
+            return total.to_dense(), stats
+        # The signature of from_dense(x)'s stream: the ranks run the same program on either.
+        signature = allreduce_signature(plan, algorithm, n, n, model)
+        words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
+        program = native_program(plan, name, model, n, n)
+        if name != "dense":  # the dense allreduce sums the values whatever their count
+            program = native.on_nonzeros(program)
+        total, code, sent, dense_round = native.run(program, dense_stream(x), comm=plan.comm, signature=signature,
+                                                    delta=plan.delta, key_words=words)
+        return total.values, AllreduceStats(code, sent, total.nnz, dense_round)
+
+    return run
 
 
 @functools.lru_cache(maxsize=256)

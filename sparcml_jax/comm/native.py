@@ -42,7 +42,7 @@ NAME = "native"
 # Instruction words {op, dst, capacity, a, b, c, d, e}: keep in step with ffi/bindings/mpi_program.h.
 WORDS = 8
 (EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE, SELECT, ADD_LOCAL,
- RESIDUAL) = range(1, 15)
+ RESIDUAL, NONZEROS) = range(1, 16)
 COMBINE = {"add": 1, "replace": 2}
 HAND_OVER, PAIRS_ONLY = 4, 8
 PAIRS, DENSE_SLICES, QUANTIZED, SELECTED_PAIRS, REGION_PAIRS = 0, 1, 2, 3, 4
@@ -280,6 +280,19 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
     for *_, sub, _ in branches:
         rec.code += sub.code
     return Program(tuple(rec.code), result.id, size, result.capacity, -1, dense=dense)
+
+
+def on_nonzeros(program: Program) -> Program:
+    """``program`` run on a dense vector's nonzeros, with its sum as n dense values.
+
+    The input is a stream dense by construction (its n values); the engine first turns it into
+    what :func:`~sparcml_jax.from_dense` would build at capacity n, counting it and compacting it
+    only when its count is below the dense threshold, so that a dense vector is never copied
+    before the program's dense allreduce reads it.
+    """
+    size = program.size
+    return dataclasses.replace(program, code=(NONZEROS, 0, size, 0, 0, 0, 0, 0) + program.code, capacity=size,
+                               dense=True)
 
 
 # ----------------------------------------------------------------------------- signatures

@@ -36,8 +36,8 @@ from _util import (
     run_and_agree,
 )
 
-from sparcml_jax import (ALGORITHMS, SparseStream, sparse_allgather, sparse_allreduce, sparse_allreduce_start,
-                         sparse_allreduce_wait)
+from sparcml_jax import (ALGORITHMS, SparseStream, from_dense, nonzeros_allreduce, sparse_allgather, sparse_allreduce,
+                         sparse_allreduce_start, sparse_allreduce_wait)
 
 from sparcml_jax.collectives._plan import Plan
 from sparcml_jax.collectives.auto import best, choice_table
@@ -183,6 +183,61 @@ def test_allreduce_of_a_stream_dense_by_construction(transport, algorithm):
         out = None
     failures += check_identical_on_all_ranks(out, label)
     agree_all(failures, f"sparse_allreduce of a dense stream, {algorithm}/{transport}")
+
+
+def nonzeros_inputs() -> list[Inputs]:
+    """The "full" grid, and vectors of several 4096-entry blocks (the engine stops counting once a
+    count reaches the dense threshold) with counts just below, at and above it."""
+    n = 3 * 4096 + 5
+    near = [Inputs(n, n, k, kind, seed=500 + k % 7) for k, kind in
+            ((dense_threshold(n) - 1, "random"), (dense_threshold(n), "identical"), (n, "unequal"))]
+    return [inputs("full", d, kind) for d, kind in grid("full")] + near
+
+
+def nonzeros_cases() -> list[tuple[str, str]]:
+    """Every algorithm at P = 4; elsewhere the run-time choice, and sparse results written as
+    dense values (the other algorithms' programs are sparse_allreduce's, checked at every P)."""
+    if NPROCS == 4:
+        return [(t, a) for t in TRANSPORTS for a in ALGORITHMS_AND_AUTO]
+    return [("native", "auto"), ("mpi4jax", "auto"), ("native", "ssar_recursive_doubling")]
+
+
+@pytest.mark.parametrize("transport,algorithm", nonzeros_cases())
+def test_nonzeros_allreduce_is_the_allreduce_of_from_dense(transport, algorithm):
+    """nonzeros_allreduce(x) sums x exactly, and runs what sparse_allreduce(from_dense(x)) runs:
+    the same algorithm, the same bytes and the same result count, whichever layout the engine
+    gives x (counted on the engine, compacted only below the dense threshold)."""
+    failures = []
+    for inp in nonzeros_inputs():
+        label = f"nonzeros_allreduce {algorithm}/{transport} {inp}"
+        total = None
+        try:
+            x = jnp.asarray(inp.x)
+            total, stats = nonzeros_allreduce(x, algorithm=algorithm, transport=transport, return_stats=True)
+            ref, ref_stats = sparse_allreduce(from_dense(x), algorithm=algorithm, transport=transport,
+                                              return_stats=True)
+            if not np.array_equal(bits(total), bits(inp.total)):
+                failures.append(f"{label}: differs from the numpy sum at {np.flatnonzero(bits(total) != bits(inp.total)).size} indices")
+            for field in ("algorithm", "bytes_sent", "result_nnz"):
+                got, want = float(getattr(stats, field)), float(getattr(ref_stats, field))
+                if got != want:
+                    failures.append(f"{label}: stats.{field}={got}, from_dense's stream gives {want}")
+            if int(ref.nnz) != int(stats.result_nnz):
+                failures.append(f"{label}: result_nnz={int(stats.result_nnz)}, the stream's sum has {int(ref.nnz)}")
+        except Exception as e:  # noqa: BLE001 - reported collectively below
+            failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+            total = None
+        everyone = [t for t in COMM.allgather(None if total is None else bits(total).tobytes()) if t is not None]
+        if any(t != everyone[0] for t in everyone):
+            failures.append(f"{label}: the ranks' sums differ")
+    agree_all(failures, f"nonzeros_allreduce {algorithm}/{transport}")
+
+
+def test_nonzeros_allreduce_inside_user_jit():
+    inp = inputs("full", 0.1, "unequal")
+    total = jax.jit(lambda x: nonzeros_allreduce(x) * 2)(jnp.asarray(inp.x))
+    agree_all([] if np.array_equal(bits(total), bits(inp.total * 2)) else ["nonzeros_allreduce under jit: wrong sum"],
+              "nonzeros_allreduce under jit")
 
 
 def compare_with_explicit(label: str, inp: Inputs, transport: str, chosen: str, out: SparseStream, stats) -> list[str]:
