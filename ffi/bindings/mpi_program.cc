@@ -120,7 +120,7 @@ class Interpreter {
         break;
       }
       case kResidual: Residual(dst, w[3], w[4], w[5]); break;
-      case kNonzeros: Nonzeros(dst, cap, w[3]); break;
+      case kNonzeros: Nonzeros(dst, cap, w[3], w[4]); break;
       default: throw std::runtime_error("unknown instruction " + std::to_string(w[0]));
     }
   }
@@ -219,7 +219,7 @@ class Interpreter {
   // sparcml_from_dense in the engine: a dense register stays where it lies when its nonzeros
   // reach the threshold, so a dense vector costs one counting pass, and only a sparse one is
   // compacted (into exactly its count of pairs, not a capacity of n).
-  void Nonzeros(int64_t dst, int64_t cap, int64_t src) {
+  void Nonzeros(int64_t dst, int64_t cap, int64_t src, int64_t step) {
     Stream s = Reg(src);
     s.capacity = cap;
     if (!s.dense || call_.failed()) {
@@ -227,8 +227,11 @@ class Interpreter {
       return;
     }
     int64_t threshold = DenseThreshold(s.n, args_.delta);
-    int64_t count = sparcml_count_nonzeros(s.val, s.n, cap >= s.n ? threshold : INT64_MAX);
-    if (count >= threshold && cap >= s.n) {
+    int64_t count = step == kCompactCounted ? s.nnz
+                                            : sparcml_count_nonzeros(s.val, s.n, cap >= s.n ? threshold : INT64_MAX);
+    bool dense = count >= threshold && cap >= s.n;
+    if (dense || step == kCountOnly) {  // counted only: a dense register whose nnz is its count
+      s.nnz = dense ? s.n : count;
       Reg(dst) = s;
       return;
     }

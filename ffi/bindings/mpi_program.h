@@ -31,8 +31,12 @@ enum Op : int64_t {
                        // c: 1 + operand of a run-time threshold (then only entries of at least its magnitude)
   kAddLocal = 13,      // a + b on this rank: a: register, b: register
   kResidual = 14,      // a: input, b: held, c: result; dense: b where c is nonzero, a elsewhere
-  kNonzeros = 15,      // a: a dense register, as its nonzeros' pairs unless their count reaches the threshold
+  kNonzeros = 15,      // a: a dense register, as its nonzeros' pairs unless their count reaches the threshold;
+                       // b: a NonzerosStep
 };
+// kNonzeros in one step, or counted before a choice (a dense register whose nnz is its count) and
+// compacted in the branches that take pairs, so that the dense allreduce reads the vector as it is.
+enum NonzerosStep : int64_t { kCountAndCompact = 0, kCountOnly = 1, kCompactCounted = 2 };
 constexpr int kWords = 8;
 // kExchange's combine; with kHandOver a rank that sends is left with what it receives, or nothing;
 // with kPairsOnly the sum stays pairs (an Ok-Topk region: its entries lie in a sub-range).

@@ -180,9 +180,7 @@ def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None):
         # The signature of from_dense(x)'s stream: the ranks run the same program on either.
         signature = allreduce_signature(plan, algorithm, n, n, model)
         words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
-        program = native_program(plan, name, model, n, n)
-        if name != "dense":  # the dense allreduce sums the values whatever their count
-            program = native.on_nonzeros(program)
+        program = native_program(plan, name, model, n, n, nonzeros=True)
         total, code, sent, dense_round = native.run(program, dense_stream(x), comm=plan.comm, signature=signature,
                                                     delta=plan.delta, key_words=words)
         return total.values, AllreduceStats(code, sent, total.nnz, dense_round)
@@ -192,19 +190,22 @@ def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None):
 
 @functools.lru_cache(maxsize=256)
 def native_program(plan: Plan, algorithm: str, model: CostModel | None, size: int, capacity: int,
-                   dense: bool = False) -> native.Program:
+                   dense: bool = False, nonzeros: bool = False) -> native.Program:
     """The program the native transport runs for one static signature: the algorithm named, or
     for ``"auto"`` the one the cost model picks (at run time on the global nnz when it must; a
-    stream ``dense`` by construction has a static count)."""
+    stream ``dense`` by construction has a static count). With ``nonzeros`` it runs on the
+    nonzeros of a dense vector (:func:`nonzeros_allreduce`)."""
     record = functools.partial(native.record, rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta, size=size,
                                capacity=capacity)
     rows = [(capacity, algorithm)] if algorithm != "auto" else _choices(plan, model, size, capacity, dense)
     if len(rows) == 1:
         name = rows[0][1]
-        return record(definition(name), code=ALGORITHMS.index(name), **plan.options(name))
+        program = record(definition(name), code=ALGORITHMS.index(name), **plan.options(name))
+        # The dense allreduce sums the values whatever their count.
+        return native.on_nonzeros(program) if nonzeros and name != "dense" else program
     return native.record_choice([(bound, ALGORITHMS.index(name), definition(name), plan.options(name))
                                  for bound, name in rows], rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta,
-                                size=size, capacity=capacity)
+                                size=size, capacity=capacity, nonzeros=nonzeros)
 
 
 def _choices(plan: Plan, model: CostModel | None, size: int, capacity: int,

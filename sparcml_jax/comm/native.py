@@ -43,6 +43,7 @@ NAME = "native"
 WORDS = 8
 (EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE, SELECT, ADD_LOCAL,
  RESIDUAL, NONZEROS) = range(1, 16)
+COUNT_AND_COMPACT, COUNT_ONLY, COMPACT_COUNTED = 0, 1, 2  # NONZEROS' steps
 COMBINE = {"add": 1, "replace": 2}
 HAND_OVER, PAIRS_ONLY = 4, 8
 PAIRS, DENSE_SLICES, QUANTIZED, SELECTED_PAIRS, REGION_PAIRS = 0, 1, 2, 3, 4
@@ -260,19 +261,28 @@ def record(algorithm: Callable[..., Register], *, rank: int, nprocs: int, delta:
 
 
 def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dict]], *, rank: int, nprocs: int,
-                  delta: float, size: int, capacity: int) -> Program:
+                  delta: float, size: int, capacity: int, nonzeros: bool = False) -> Program:
     """A program that agrees on the largest nnz over ranks, then runs the first of ``choices``
-    ((bound, code, algorithm, options)) whose bound covers it; the result has the largest capacity."""
+    ((bound, code, algorithm, options)) whose bound covers it; the result has the largest capacity.
+
+    With ``nonzeros`` the input is a dense vector (as in :func:`on_nonzeros`), counted before the
+    agreement and compacted only in a branch other than the dense allreduce (code 0), which sums
+    it as it lies; the result is its n dense values."""
     counter = [1]
     rec = Recorder(rank, nprocs, delta, size, counter)
+    if nonzeros:
+        rec.emit(NONZEROS, 0, capacity, 0, COUNT_ONLY)
     rec.emit(AGREE, 0, 0, 0)
     branches = []
     for bound, code, algorithm, options in choices:
         sub = Recorder(rank, nprocs, delta, size, counter)
+        if nonzeros and code != 0:
+            sub.emit(NONZEROS, 0, capacity, 0, COMPACT_COUNTED)
         out = algorithm(sub, Register(0, size, capacity), **options)
         branches.append((bound, code, sub, out))
-    dense = all(out.dense for *_, out in branches)
-    result = Register(counter[0], size, max(out.capacity for *_, out in branches), dense=dense)
+    dense = nonzeros or all(out.dense for *_, out in branches)
+    width = size if nonzeros else max(out.capacity for *_, out in branches)
+    result = Register(counter[0], size, width, dense=dense)
     rec.emit(CHOOSE, 0, 0, len(branches))
     for bound, code, sub, out in branches:
         sub.emit(MOVE, result.id, result.capacity, out.id)
@@ -283,16 +293,16 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
 
 
 def on_nonzeros(program: Program) -> Program:
-    """``program`` run on a dense vector's nonzeros, with its sum as n dense values.
+    """``program`` (of one algorithm) run on a dense vector's nonzeros, with its sum as n dense
+    values.
 
     The input is a stream dense by construction (its n values); the engine first turns it into
     what :func:`~sparcml_jax.from_dense` would build at capacity n, counting it and compacting it
-    only when its count is below the dense threshold, so that a dense vector is never copied
-    before the program's dense allreduce reads it.
+    only when its count is below the dense threshold.
     """
     size = program.size
-    return dataclasses.replace(program, code=(NONZEROS, 0, size, 0, 0, 0, 0, 0) + program.code, capacity=size,
-                               dense=True)
+    return dataclasses.replace(program, code=(NONZEROS, 0, size, 0, COUNT_AND_COMPACT, 0, 0, 0) + program.code,
+                               capacity=size, dense=True)
 
 
 # ----------------------------------------------------------------------------- signatures
