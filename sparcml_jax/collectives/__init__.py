@@ -145,8 +145,8 @@ def nonzeros_allreduce(
       >>> float(nonzeros_allreduce(x).sum()) == MPI.COMM_WORLD.size
       True
     """
-    x = check_vector(x, "x")
     if axis_name is not None:
+        x = check_vector(x, "x")
         total, stats = sparse_allreduce(
             from_dense(x, delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm, transport=transport,
             delta=delta, quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
@@ -155,6 +155,7 @@ def nonzeros_allreduce(
     comm = resolve_comm(comm)
     transport = "native" if transport is None else transport
     try:
+        x = check_vector(x, "x")
         plan = check_allreduce(comm, dense_stream(x), algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
                                quantize_scale=quantize_scale)

@@ -86,6 +86,17 @@ def test_ranks_disagree_on_capacity(transport):
 
 
 @needs_two_ranks
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nonzeros_allreduce_of_a_bad_vector_on_one_rank(transport):
+    """A vector of the wrong dtype on rank 0: it raises naming x there, and its peers raise too."""
+    x = jnp.ones(507, jnp.int32 if RANK == 0 else jnp.float32)
+    expect_error_everywhere(lambda: sparcml_jax.nonzeros_allreduce(x, transport=transport),
+                            lambda r: "x must have dtype float32" if r == 0 else "rejected its arguments",
+                            "nonzeros_allreduce of an int32 vector on rank 0")
+    assert_next_collective_works(transport=transport)
+
+
+@needs_two_ranks
 def test_ranks_disagree_on_algorithm():
     algorithm = "ssar_recursive_doubling" if RANK == 0 else "dsar_split_allgather"
     expect_error_everywhere(lambda: sparse_allreduce(stream_of_size(505, 4), algorithm=algorithm),
