@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
-from _util import (COMM, GLOBAL_TOPK_ERROR_TRANSPORTS, NPROCS, RANK, TRANSPORTS, check_identical_on_all_ranks,
-                   expect_error_everywhere, global_topk_cases, run_and_agree)
+from _util import (COMM, GLOBAL_TOPK_ERROR_TRANSPORTS, NPROCS, RANK, REDUCED_GLOBAL_TOPK, TRANSPORTS,
+                   check_identical_on_all_ranks, expect_error_everywhere, global_topk_cases, run_and_agree)
 
 from sparcml_jax import GLOBAL_TOPK_ALGORITHMS, SparseStream, global_topk_allreduce
 from sparcml_jax.collectives.global_topk import init_oktopk_state
@@ -110,6 +110,8 @@ def test_spardl_in_teams_is_its_reference(transport):
     simulated tests take every G): the reference's result and residuals, exact books, at most
     k + P / G entries, and the definition's bytes."""
     divisors = [g for g in range(2, NPROCS + 1) if NPROCS % g == 0]
+    if transport == "mpi4jax" and REDUCED_GLOBAL_TOPK:
+        divisors = divisors[:1]
 
     def body():
         failures = []
@@ -196,6 +198,8 @@ def test_oktopk_carries_its_state_as_its_reference_does(transport):
     keeps the books, and stays within its bound: k entries after a re-evaluation, P ceil(2k / P)
     otherwise."""
     tau, tau_prime, n, k = 3, 2, 1001, 10
+    if transport == "mpi4jax" and NPROCS > 5:
+        pytest.skip("Ok-Topk's steps with state run on mpi4jax at P <= 5 (see REDUCED_GLOBAL_TOPK)")
 
     def body():
         failures, state, want = [], init_oktopk_state(), initial_oktopk_state(NPROCS)
