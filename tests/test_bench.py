@@ -143,6 +143,31 @@ def test_quick_train_benchmark(tmp_path):
     assert abs(url["sparse"] - url["dense"]) < 1e-5 and abs(url["1-line"] - url["dense"]) < 1e-5, url
 
 
+def test_train_breakdown_takes_the_digits_step_apart(tmp_path):
+    out = tmp_path / "breakdown.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "train", "--breakdown", "--quick", "--json", str(out)],
+                              timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {r["part"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"dense step", "sparse step", "model and optimizer only", "+ selection and error feedback",
+                         "the collective alone (dsar_split_allgather)", "QSGD 4-bit coding of N / P alone"}
+    assert all(r["ms"] > 0 for r in rows.values()) and rows["dense step"]["vs_dense"] == 1.0
+    # One MPI call per step each way (the small leaves travel in the fused buffer), none without communication.
+    calls = {part: r["mpi_calls"] for part, r in rows.items()}
+    assert calls["dense step"] == calls["sparse step"] == calls["the collective alone (dsar_split_allgather)"] == 1
+    assert calls["model and optimizer only"] == calls["+ selection and error feedback"] == 0
+    assert rows["sparse step"]["messages"] == 3  # at P = 2: the agreement, the split and the allgather
+
+
+def test_mpi_calls_counts_the_communicating_custom_calls():
+    from sparcml_jax.bench.train import mpi_calls
+
+    text = ("stablehlo.custom_call @sparcml_mpi_run(%0) stablehlo.custom_call @SparcmlTopk(%1) "
+            "stablehlo.custom_call @mpi_allreduce_ffi(%2) stablehlo.custom_call @sparcml_engine_start(%3) "
+            "stablehlo.custom_call @sparcml_engine_wait(%4)")
+    assert mpi_calls(text) == 3
+
+
 def test_calibrate_writes_a_model_that_auto_then_uses(tmp_path):
     """``bench calibrate --out`` writes the model; with SPARCML_JAX_COST_MODEL naming it, auto
     chooses with it and measures nothing."""

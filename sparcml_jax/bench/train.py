@@ -5,18 +5,32 @@ Runs ``examples/url_logreg.py`` (exact sparse sums, the paper's URL experiment i
 engine) from a source checkout, and prints per run the median step time, the final quality, and
 the training time until the epoch loss first reaches the target: the worst final loss of the
 example's runs times (1 + --tolerance), a loss every run reaches.
+
+``--breakdown`` shows instead where the digits example's sparse step spends its time, beside its
+dense step: the steps and their parts timed as programs of their own, in alternating blocks in
+one process (medians, maximum over ranks), and the MPI calls each step makes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
+import re
+import statistics
+import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 from mpi4py import MPI
 
-from sparcml_jax.bench._timing import print_table
+import sparcml_jax
+from sparcml_jax.bench._timing import block, print_table
+from sparcml_jax.collectives import CostModel
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -43,9 +57,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tolerance", type=float, default=0.05, help="target = worst final loss * (1 + tolerance)")
     p.add_argument("--buckets", type=int, default=2, help="digits: also run the bucketed transform (0: no)")
     p.add_argument("--quick", action="store_true", help="small data and few epochs (a smoke run)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="where the digits sparse step's time goes, beside the dense step (instead of the runs)")
+    p.add_argument("--density", type=float, default=0.01, help="breakdown: top-k density of the sparse step")
+    p.add_argument("--algorithm", default="dsar_split_allgather", choices=[*sparcml_jax.ALGORITHMS, "auto"],
+                   help="breakdown: the sparse step's algorithm")
+    p.add_argument("--bits", type=int, default=4, help="breakdown: QSGD bits (0: none)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     rank = MPI.COMM_WORLD.Get_rank()
+    if args.breakdown:
+        rows = breakdown(args, MPI.COMM_WORLD, steps=10 if args.quick else 40, blocks=3 if args.quick else 8)
+        if rank == 0:
+            print_table(["part", "ms per step", "of the dense step", "MPI calls per step", "messages per call"],
+                        [[r["part"], f"{r['ms']:.3f}", f"{r['vs_dense']:.2f}", r["mpi_calls"] or "",
+                          r["messages"] or ""] for r in rows])
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+        return
 
     rows = []
     if "url_logreg" in args.examples:
@@ -74,6 +104,100 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+
+
+# The custom calls that communicate: the native engine's run and start, and mpi4jax's ops.
+_MPI_CALL = re.compile(r"custom_call @(sparcml_mpi_run|sparcml_engine_start|mpi_\w+_ffi)\b")
+
+
+def mpi_calls(lowered_text: str) -> int:
+    """MPI calls one run of a lowered program makes (the native engine's agreement and algorithm
+    are one call)."""
+    return len(_MPI_CALL.findall(lowered_text))
+
+
+def _alternating(programs: dict, steps: int, blocks: int, comm: MPI.Comm) -> dict[str, float]:
+    """Median seconds per call of each ``programs[name]()`` (a step that carries its own state),
+    timed in alternating blocks of ``steps`` calls after one block of warm-up; maximum over ranks."""
+    times = {name: [] for name in programs}
+    for b in range(blocks + 1):
+        for name, call in programs.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                block(call())
+                if b:
+                    times[name].append(time.perf_counter() - start)
+    return {name: comm.allreduce(statistics.median(t), op=MPI.MAX) for name, t in times.items()}
+
+
+def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
+    """The digits example's sparse step (top-k ``--density`` + error feedback, ``--algorithm``,
+    ``--bits`` QSGD) taken apart: the model and optimizer alone, plus the selection and error
+    feedback, plus the collective (the whole step); the collective and QSGD's coding alone."""
+    from sklearn.datasets import load_digits
+
+    digits_mlp = _example("digits_mlp")
+    rank, nprocs = comm.Get_rank(), comm.Get_size()
+    data = load_digits()
+    x_all, y_all = (data.data / 16.0).astype(np.float32), data.target.astype(np.int32)
+    rng = np.random.default_rng(rank)
+    batches = [rng.integers(0, len(x_all), 16) for _ in range(64)]
+    bits = args.bits or None
+    compression = dict(density=args.density, algorithm=args.algorithm, min_size=0,
+                       **({} if bits is None else dict(quantize_bits=bits)))
+    local = optax.chain(sparcml_jax.error_feedback(sparcml_jax.fuse_leaves(
+        sparcml_jax.sparsify(density=args.density), min_size=0)), sparcml_jax.densify())
+    reducers = {"dense step": sparcml_jax.dense_allreduce_gradients(),
+                "sparse step": sparcml_jax.allreduce_gradients(**compression),
+                "model and optimizer only": optax.identity(),
+                "+ selection and error feedback": local}
+    programs, calls = {}, {}
+    for name, reducer in reducers.items():
+        tx = optax.chain(reducer, optax.adam(1e-3))
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, opt_state, x, y, tx=tx):
+            loss, grads = jax.value_and_grad(digits_mlp.loss_fn)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        params = digits_mlp.init_mlp(jax.random.key(0), [64, 256, 256, 10])
+        state = [params, tx.init(params), 0]
+        calls[name] = mpi_calls(step.lower(params, state[1], x_all[:16], y_all[:16]).as_text())
+
+        def run(step=step, state=state):
+            b = batches[state[2] % len(batches)]
+            state[0], state[1], loss = step(state[0], state[1], x_all[b], y_all[b])
+            state[2] += 1
+            return loss
+
+        programs[name] = run
+    size = sum(leaf.size for leaf in jax.tree.leaves(params))
+    k = max(1, round(args.density * size))
+    key = jax.random.key(1)
+    stream = sparcml_jax.topk(jnp.asarray(np.random.default_rng(rank).standard_normal(size), jnp.float32), k)
+    collective = jax.jit(lambda s, key: sparcml_jax.sparse_allreduce(s, algorithm=args.algorithm, quantize_bits=bits,
+                                                                     key=key, return_stats=True))
+    _, stats = collective(stream, key)
+    programs["the collective alone"] = lambda: collective(stream, key)[0].values
+    calls["the collective alone"] = mpi_calls(collective.lower(stream, key).as_text())
+    if bits is not None:
+        from sparcml_jax.kernels.qsgd import qsgd_dequantize, qsgd_quantize
+
+        part = jnp.asarray(np.random.default_rng(rank).standard_normal(-(-size // nprocs)), jnp.float32)
+        coding = jax.jit(lambda v, key: qsgd_dequantize(qsgd_quantize(v, key, bits=bits, bucket_size=1024)))
+        programs[f"QSGD {bits}-bit coding of N / P alone"] = lambda: coding(part, key)
+    seconds = _alternating(programs, steps, blocks, comm)
+    algorithm = sparcml_jax.ALGORITHMS[int(stats.algorithm)]
+    messages = CostModel(alpha=0.0, beta=0.0).pricing(algorithm, size=size, nnz=k, nprocs=nprocs,
+                                                      quantize_bits=bits).messages
+    rows = []
+    for name, t in seconds.items():
+        sparse_call = name in ("sparse step", "the collective alone")
+        rows.append(dict(part=name if name != "the collective alone" else f"the collective alone ({algorithm})",
+                         ms=t * 1e3, vs_dense=t / seconds["dense step"], mpi_calls=calls.get(name),
+                         messages=messages + 1 if sparse_call and nprocs > 1 else None))  # + the agreement
+    return rows
 
 
 if __name__ == "__main__":
