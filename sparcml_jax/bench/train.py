@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--density", type=float, default=0.01, help="breakdown: top-k density of the sparse step")
     p.add_argument("--algorithm", default="dsar_split_allgather", choices=[*sparcml_jax.ALGORITHMS, "auto"],
                    help="breakdown: the sparse step's algorithm")
-    p.add_argument("--bits", type=int, default=4, help="breakdown: QSGD bits (0: none)")
+    p.add_argument("--bits", type=int, default=4, help="breakdown: QSGD bits with auto or DSAR (0: none)")
     p.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     args = p.parse_args(argv)
     rank = MPI.COMM_WORLD.Get_rank()
@@ -142,7 +142,7 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     x_all, y_all = (data.data / 16.0).astype(np.float32), data.target.astype(np.int32)
     rng = np.random.default_rng(rank)
     batches = [rng.integers(0, len(x_all), 16) for _ in range(64)]
-    bits = args.bits or None
+    bits = args.bits if args.bits and args.algorithm in ("auto", "dsar_split_allgather") else None  # as the example
     compression = dict(density=args.density, algorithm=args.algorithm, min_size=0,
                        **({} if bits is None else dict(quantize_bits=bits)))
     local = optax.chain(sparcml_jax.error_feedback(sparcml_jax.fuse_leaves(
@@ -179,18 +179,19 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     collective = jax.jit(lambda s, key: sparcml_jax.sparse_allreduce(s, algorithm=args.algorithm, quantize_bits=bits,
                                                                      key=key, return_stats=True))
     _, stats = collective(stream, key)
+    algorithm = sparcml_jax.ALGORITHMS[int(stats.algorithm)]
     programs["the collective alone"] = lambda: collective(stream, key)[0].values
     calls["the collective alone"] = mpi_calls(collective.lower(stream, key).as_text())
-    if bits is not None:
+    if bits is not None and algorithm == "dsar_split_allgather":  # auto quantizes only DSAR's dense phase
         from sparcml_jax.kernels.qsgd import qsgd_dequantize, qsgd_quantize
 
         part = jnp.asarray(np.random.default_rng(rank).standard_normal(-(-size // nprocs)), jnp.float32)
         coding = jax.jit(lambda v, key: qsgd_dequantize(qsgd_quantize(v, key, bits=bits, bucket_size=1024)))
         programs[f"QSGD {bits}-bit coding of N / P alone"] = lambda: coding(part, key)
     seconds = _alternating(programs, steps, blocks, comm)
-    algorithm = sparcml_jax.ALGORITHMS[int(stats.algorithm)]
-    messages = CostModel(alpha=0.0, beta=0.0).pricing(algorithm, size=size, nnz=k, nprocs=nprocs,
-                                                      quantize_bits=bits).messages
+    messages = CostModel(alpha=0.0, beta=0.0).pricing(
+        algorithm, size=size, nnz=k, nprocs=nprocs,
+        quantize_bits=bits if algorithm == "dsar_split_allgather" else None).messages
     rows = []
     for name, t in seconds.items():
         sparse_call = name in ("sparse step", "the collective alone")
