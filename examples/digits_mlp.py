@@ -137,11 +137,15 @@ def main(argv=None):
     dense = train("dense", sparcml_jax.dense_allreduce_gradients(), data, args, comm)
     if comm.Get_rank() == 0:
         stats = optax.tree_utils.tree_get(sparse["state"], "stats")
+        names = (*sparcml_jax.ALGORITHMS, *sparcml_jax.GLOBAL_TOPK_ALGORITHMS)
+        chosen = names[int(stats.algorithm)] if int(stats.algorithm) >= 0 else "dense"
+        quantized = bits and chosen == "dsar_split_allgather"  # QSGD codes DSAR's dense phase only
         method = ("every entry" if args.density is None else f"top-k {args.density:.0%} + error feedback") + (
-            f" + {bits}-bit QSGD" if bits else "")
+            f" + {bits}-bit QSGD" if quantized else "")
+        through = args.algorithm if chosen == args.algorithm else f"{args.algorithm} ({chosen})"
         print(f"final: test accuracy sparse {sparse['accuracy']:.4f} vs dense {dense['accuracy']:.4f} "
               f"(gap {100 * (dense['accuracy'] - sparse['accuracy']):+.2f} points); "
-              f"{method} through {args.algorithm} sends {float(stats.bytes_sent) / 1e3:.1f} kB/step/rank "
+              f"{method} through {through} sends {float(stats.bytes_sent) / 1e3:.1f} kB/step/rank "
               f"(result density {float(stats.density):.2%}); step {sparse['step_ms']:.2f} ms vs "
               f"{dense['step_ms']:.2f} ms", flush=True)
         if args.buckets:
