@@ -50,6 +50,32 @@ def loss_fn(params, x, y):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(forward(params, x), y))
 
 
+def make_step(tx, compiler_options=None):
+    """The jitted train step: the gradient, ``tx``'s update (the reducer first), the new parameters."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=compiler_options)
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def load_data():
+    """(x_train, y_train, x_test, y_test): scikit-learn's digits, 20 % held out."""
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.2, random_state=0,
+                                                        stratify=digits.target)
+    return x_train, y_train.astype(np.int32), jnp.asarray(x_test), jnp.asarray(y_test)
+
+
+def qsgd_bits(algorithm, bits):
+    """The QSGD bits the reducer takes: only with auto or DSAR, whose dense phase they code."""
+    return bits if bits and algorithm in ("auto", "dsar_split_allgather") else None
+
+
 def train(name, reducer, data, args, comm, compiler_options=None):
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_train, y_train, x_test, y_test = data
@@ -58,13 +84,7 @@ def train(name, reducer, data, args, comm, compiler_options=None):
     params = init_mlp(jax.random.key(args.seed), [64, args.hidden, args.hidden, 10])
     tx = optax.chain(reducer, optax.adam(args.lr))
     opt_state = tx.init(params)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=compiler_options)
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = make_step(tx, compiler_options)
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(forward(p, x_test), -1) == y_test))
     rng = np.random.default_rng(args.seed + rank)
     steps = per_rank // args.batch
@@ -117,14 +137,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     comm = MPI.COMM_WORLD
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.2, random_state=0,
-                                                        stratify=digits.target)
-    data = (x_train, y_train.astype(np.int32), jnp.asarray(x_test), jnp.asarray(y_test))
-
+    data = load_data()
     global_topk = args.algorithm in sparcml_jax.GLOBAL_TOPK_ALGORITHMS
-    bits = None if global_topk or args.algorithm not in ("auto", "dsar_split_allgather") or not args.bits else args.bits
+    bits = qsgd_bits(args.algorithm, args.bits)
     if args.buckets and global_topk:
         parser.error(f"--buckets runs SparCML's algorithms on the non-blocking engine, not {args.algorithm}")
     compression = dict(density=args.density, algorithm=args.algorithm, min_size=0, seed=args.seed,

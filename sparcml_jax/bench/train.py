@@ -14,7 +14,6 @@ one process (medians, maximum over ranks), and the MPI calls each step makes.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import re
@@ -134,15 +133,12 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     """The digits example's sparse step (top-k ``--density`` + error feedback, ``--algorithm``,
     ``--bits`` QSGD) taken apart: the model and optimizer alone, plus the selection and error
     feedback, plus the collective (the whole step); the collective and QSGD's coding alone."""
-    from sklearn.datasets import load_digits
-
     digits_mlp = _example("digits_mlp")
     rank, nprocs = comm.Get_rank(), comm.Get_size()
-    data = load_digits()
-    x_all, y_all = (data.data / 16.0).astype(np.float32), data.target.astype(np.int32)
+    x_all, y_all, _, _ = digits_mlp.load_data()
     rng = np.random.default_rng(rank)
     batches = [rng.integers(0, len(x_all), 16) for _ in range(64)]
-    bits = args.bits if args.bits and args.algorithm in ("auto", "dsar_split_allgather") else None  # as the example
+    bits = digits_mlp.qsgd_bits(args.algorithm, args.bits)
     compression = dict(density=args.density, algorithm=args.algorithm, min_size=0,
                        **({} if bits is None else dict(quantize_bits=bits)))
     local = optax.chain(sparcml_jax.error_feedback(sparcml_jax.fuse_leaves(
@@ -154,13 +150,7 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     programs, calls = {}, {}
     for name, reducer in reducers.items():
         tx = optax.chain(reducer, optax.adam(1e-3))
-
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, x, y, tx=tx):
-            loss, grads = jax.value_and_grad(digits_mlp.loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
+        step = digits_mlp.make_step(tx)
         params = digits_mlp.init_mlp(jax.random.key(0), [64, 256, 256, 10])
         state = [params, tx.init(params), 0]
         calls[name] = mpi_calls(step.lower(params, state[1], x_all[:16], y_all[:16]).as_text())
