@@ -5,14 +5,17 @@ same definitions under mpirun (tests/mpi)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from sparcml_jax import ALGORITHMS, CostModel
-from sparcml_jax.collectives._plan import Quantization, definition
+from sparcml_jax.collectives._plan import Plan, Quantization, definition
+from sparcml_jax.collectives.auto import best, choice_table
 from sparcml_jax.comm.simulated import SimStream, Simulated
+from sparcml_jax.comm.topology import part_bounds
 from sparcml_jax.stream import dense_threshold
 
 SIZES = (1, 3, 64, 1001)
@@ -101,13 +104,33 @@ def test_ring_and_dsar_send_a_dense_ring_volume_on_dense_inputs(p):
         assert t.sent == [2 * (p - 1) / p * 4 * n] * p, algorithm
 
 
-def test_quantized_dsar_sends_codes():
-    n, p = 1000, 4
+@pytest.mark.parametrize("p", (2, 3, 4, 7))
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_quantized_dsar_sends_codes_in_both_phases(p, bits):
+    """Dense data: every split-phase segment and every allgathered slice travels as b-bit codes
+    plus one float32 scale per bucket, about b/32 of float32 DSAR (which sends what a dense
+    allreduce does)."""
+    n, bucket = 1001, 100
     t = Simulated(p, n)
-    definition("dsar_split_allgather")(t, inputs(p, n, 1.0, "random", 0), quantize=Quantization(4, 100))
+    definition("dsar_split_allgather")(t, inputs(p, n, 1.0, "random", 0), quantize=Quantization(bits, bucket))
+    lengths = [part_bounds(n, p, r)[1] - part_bounds(n, p, r)[0] for r in range(p)]
+    codes = lambda m: math.ceil(m * bits / 8) + 4 * math.ceil(m / bucket)  # noqa: E731
+    for r in range(p):  # native: each segment at its range's length, each slice padded to the longest
+        assert t.sent[r] == sum(codes(lengths[o]) for o in range(p) if o != r) + (p - 1) * codes(max(lengths))
     plain = Simulated(p, n)
     definition("dsar_split_allgather")(plain, inputs(p, n, 1.0, "random", 0))
-    assert all(q < f for q, f in zip(t.sent, plain.sent))
+    assert all(q < f * (bits / 32 + 4 / bucket / 4 + 0.01) for q, f in zip(t.sent, plain.sent))
+
+
+def test_quantized_dsar_keeps_sparse_segments_exact():
+    """1 % density: the split phase's segments stay pairs (their bytes are the float32 run's);
+    only the dense allgather phase is coded."""
+    n, p, bucket = 1000, 4, 100
+    coded, plain = Simulated(p, n), Simulated(p, n)
+    definition("dsar_split_allgather")(coded, inputs(p, n, 0.01, "random", 0), quantize=Quantization(4, bucket))
+    definition("dsar_split_allgather")(plain, inputs(p, n, 0.01, "random", 0))
+    slice_bytes = (p - 1) * (4 * 250 - math.ceil(250 * 4 / 8) - 4 * math.ceil(250 / bucket))
+    assert [f - q for q, f in zip(coded.sent, plain.sent)] == [slice_bytes] * p
 
 
 MODEL = CostModel(alpha=2e-6, beta=1e-10, dense_alpha=4e-6, dense_beta=3e-10, pair_cost=1e-9, element_cost=3e-10)
@@ -138,3 +161,22 @@ def test_the_model_matches_the_paper_on_a_network():
     dense = {a: wire.predict(a, size=n, nnz=n, nprocs=p) for a in ("dense", "dsar_split_allgather", "sparse_ring")}
     assert dense["dsar_split_allgather"] <= 1.1 * dense["dense"]
     assert dense["sparse_ring"] <= 1.1 * dense["dense"]
+
+
+def test_quantized_auto_never_takes_the_float32_dense_allreduce():
+    """A caller who asks for b bits gets them wherever the data goes dense: with quantize_bits,
+    auto prices quantized DSAR instead of MPI_Allreduce, even where the model finds that cheaper."""
+    model = CostModel(alpha=1e-3, beta=1e-12, dense_alpha=1e-9, dense_beta=1e-15)  # a dense allreduce for free
+    n = 1 << 16
+    plain = Plan(None, "native", 1.0, axis_name="data", axis_size=4)  # four ranks, priced as the native engine
+    coded = dataclasses.replace(plain, quantize=Quantization(4))
+    failures = []
+    if best(model, plain, n, n, n) != "dense":
+        failures.append(f"without QSGD the model should take the dense allreduce, took {best(model, plain, n, n, n)}")
+    for nnz in (n // 1000, n // 10, n):
+        if best(model, coded, n, n, nnz) == "dense":
+            failures.append(f"auto with quantize_bits took the float32 dense allreduce at nnz={nnz}")
+    rows = choice_table(model, coded, n, n)
+    if any(name == "dense" for _, name in rows):
+        failures.append(f"auto with quantize_bits has the dense allreduce among its run-time choices: {rows}")
+    assert not failures, failures

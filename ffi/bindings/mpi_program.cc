@@ -31,6 +31,17 @@ struct Range {
   std::shared_ptr<Buffers> storage;
 };
 
+// QSGD on a phase's dense slices (bits 0: none).
+struct Coding {
+  int bits = 0;
+  int64_t bucket = 0;
+  int scale_kind = 0;
+};
+
+// The split phase codes the segment for range q under this salt of the rank's key (the allgather
+// phase under the key itself), so that no two codings of one call share their random draws.
+uint32_t SegmentSalt(int q) { return 0x9E3779B9u * static_cast<uint32_t>(q + 1); }
+
 class Interpreter {
  public:
   Interpreter(const ProgramArgs& args, Call& call, Output output) : args_(args), call_(call), output_(output) {}
@@ -85,7 +96,7 @@ class Interpreter {
         // summed in its place there (the allgather then sends it from where it lies).
         bool in_place = next && next[0] == kAllgather && next[3] == dst && next[4] != kPairs &&
                         (next[1] == args_.result_register || next[1] == result_alias_);
-        ReduceScatter(dst, cap, w[3], w[4] != 0, in_place);
+        ReduceScatter(dst, cap, w[3], w[4] != 0, in_place, Coding{static_cast<int>(w[5]), w[6], static_cast<int>(w[7])});
         break;
       }
       case kAllgather:
@@ -385,22 +396,65 @@ class Interpreter {
     AfterRound(dst, dest >= 0 || source >= 0);
   }
 
-  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice, bool in_result) {
+  // A dense slice's QSGD codes as they travel: the bucket scales, then the packed codes.
+  Bytes Encode(const float* values, int64_t count, Coding coding, uint32_t salt) {
+    int64_t nscales = sparcml_qsgd_num_buckets(count, coding.bucket);
+    Bytes out(4 * nscales + sparcml_qsgd_packed_bytes(count, coding.bits));
+    char err[SPARCML_ERRLEN] = {0};
+    if (sparcml_qsgd_quantize(values, count, coding.bits, coding.bucket, coding.scale_kind, args_.key[0],
+                              args_.key[1] ^ salt, reinterpret_cast<uint8_t*>(out.data() + 4 * nscales),
+                              reinterpret_cast<float*>(out.data()), err)) {
+      Fail(err);
+    }
+    return out;
+  }
+
+  // A coded dense slice of `length` values, decoded into float32.
+  Stream Decoded(int source, const Call::Message& m, int64_t length, Coding coding) {
+    Bytes codes(m.h.coded);
+    call_.PayloadCoded(source, m, codes.data());
+    Stream out;
+    out.capacity = length;
+    Writable w = Allocate(out, -1, length, 0, true);
+    int64_t nscales = sparcml_qsgd_num_buckets(length, coding.bucket);
+    char err[SPARCML_ERRLEN] = {0};
+    if (m.h.count != length || m.h.coded != 4 * nscales + sparcml_qsgd_packed_bytes(length, coding.bits) ||
+        sparcml_qsgd_dequantize(reinterpret_cast<const uint8_t*>(codes.data() + 4 * nscales),
+                                reinterpret_cast<const float*>(codes.data()), length, coding.bits, coding.bucket,
+                                w.val, err)) {
+      throw std::runtime_error("a coded segment of the wrong size arrived: " + std::string(err));
+    }
+    out.nnz = length;
+    return out;
+  }
+
+  // With `coding` (DSAR's split phase, quantized), a segment that travels as a dense slice
+  // travels as its QSGD codes instead; pairs stay exact, and so does this rank's own segment.
+  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice, bool in_result, Coding coding) {
     const Stream s = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = s.n, lo = PartStart(n, p, me), length = PartStart(n, p, me + 1) - lo;
     std::vector<Range> ranges(p);
+    std::vector<Bytes> codes(p);
     for (int i = 1; i < p; ++i) {  // a ring order: every rank starts with a different peer
       int q = (me + i) % p;
       ranges[q] = RangeOf(s, PartStart(n, p, q), PartStart(n, p, q + 1));
-      call_.Send(q, ranges[q].header, ranges[q].idx, ranges[q].val);
+      Header h = ranges[q].header;
+      if (coding.bits && h.dense && h.count > 0) {
+        codes[q] = Encode(ranges[q].val, h.count, coding, SegmentSalt(q));
+        h.coded = static_cast<int32_t>(codes[q].size());
+        call_.SendCoded(q, h, codes[q].data());
+      } else {
+        call_.Send(q, h, ranges[q].idx, ranges[q].val);
+      }
     }
     std::vector<Stream> segments(p);
     segments[me] = AsStream(RangeOf(s, lo, lo + length), length, length);
     for (std::vector<int> pending = Peers(); !pending.empty();) {
       int q = 0;
       Call::Message m = call_.ReceiveFirst(&pending, &q);
-      segments[q] = Received(q, m, length, m.h.count, -1);
+      segments[q] = m.h.coded > 0 && !call_.failed() ? Decoded(q, m, length, coding)
+                                                       : Received(q, m, length, m.h.count, -1);
     }
     call_.WaitSends();
     call_.MarkAgreed();  // every rank heard from every rank

@@ -113,28 +113,38 @@ Header Call::Make(int64_t count, bool dense) const {
 }
 
 void Call::Send(int dest, Header h, const int32_t* idx, const float* val) {
-  int64_t payload = PayloadBytes(h);
-  auto post = [&](const void* data, int64_t bytes) {
+  h.coded = 0;
+  const void* pieces[2] = {idx, val};
+  int64_t bytes[2] = {h.dense ? 0 : int64_t{h.count} * 4, int64_t{h.count} * 4};
+  Post(dest, h, pieces, bytes, 2);
+}
+
+void Call::SendCoded(int dest, Header h, const char* codes) {
+  const void* pieces[1] = {codes};
+  int64_t bytes[1] = {h.coded};
+  Post(dest, h, pieces, bytes, 1);
+}
+
+// The header's message (with the pieces inline when they are small), else one more message per
+// nonempty piece, straight from the sender's buffer.
+void Call::Post(int dest, Header h, const void* const* pieces, const int64_t* bytes, int count) {
+  int64_t payload = h.count > 0 ? PayloadBytes(h) : 0;
+  auto post = [&](const void* data, int64_t size) {
     sends_.emplace_back();
-    MPI_Isend(data, static_cast<int>(bytes), MPI_BYTE, dest, tag_, comm_, &sends_.back());
+    MPI_Isend(data, static_cast<int>(size), MPI_BYTE, dest, tag_, comm_, &sends_.back());
   };
   h.inline_payload = payload <= kInlineBytes;
   auto message = std::make_unique<Bytes>(sizeof(Header) + (h.inline_payload ? payload : 0));
   std::memcpy(message->data(), &h, sizeof h);
   char* p = message->data() + sizeof(Header);
-  if (h.inline_payload && h.count > 0) {
-    if (!h.dense) {
-      std::memcpy(p, idx, h.count * sizeof(int32_t));
-      p += h.count * sizeof(int32_t);
-    }
-    std::memcpy(p, val, h.count * sizeof(float));
+  for (int i = 0; h.inline_payload && payload > 0 && i < count; ++i) {
+    if (bytes[i]) std::memcpy(p, pieces[i], bytes[i]);
+    p += bytes[i];
   }
   post(message->data(), static_cast<int64_t>(message->size()));
   send_buffers_.push_back(std::move(message));
-  if (!h.inline_payload) {
-    if (!h.dense) post(idx, h.count * sizeof(int32_t));
-    post(val, h.count * sizeof(float));
-  }
+  for (int i = 0; !h.inline_payload && i < count; ++i)
+    if (bytes[i]) post(pieces[i], bytes[i]);
   if (h.kind == kData) sent_ += static_cast<double>(payload);
 }
 
@@ -254,32 +264,45 @@ Call::Message Call::ReceiveFirst(std::vector<int>* pending, int* source) {
 
 void Call::Payload(int source, const Message& m, int32_t* idx, float* val) {
   const Header& h = m.h;
-  if (h.count <= 0) return;
-  int64_t count = h.count;
-  if (h.inline_payload) {
-    const char* p = m.data.data() + sizeof(Header);
-    if (!h.dense) {
-      if (idx) std::memcpy(idx, p, count * sizeof(int32_t));
-      p += count * sizeof(int32_t);
-    }
-    if (val) std::memcpy(val, p, count * sizeof(float));
+  if (h.coded > 0) {  // (taken here only to be dropped)
+    PayloadCoded(source, m, nullptr);
     return;
   }
-  Scratch<int32_t> dropped_idx;
-  Scratch<float> dropped_val;
-  if (!idx && !h.dense) {
-    dropped_idx.resize(count);
-    idx = dropped_idx.data();
+  void* pieces[2] = {idx, val};
+  int64_t bytes[2] = {h.dense ? 0 : int64_t{h.count} * 4, int64_t{h.count} * 4};
+  Read(source, m, pieces, bytes, 2);
+}
+
+void Call::PayloadCoded(int source, const Message& m, char* codes) {
+  void* pieces[1] = {codes};
+  int64_t bytes[1] = {m.h.coded};
+  Read(source, m, pieces, bytes, 1);
+}
+
+// A null piece is received and dropped.
+void Call::Read(int source, const Message& m, void* const* pieces, const int64_t* bytes, int count) {
+  if (m.h.count <= 0) return;
+  if (m.h.inline_payload) {
+    const char* p = m.data.data() + sizeof(Header);
+    for (int i = 0; i < count; ++i) {
+      if (pieces[i] && bytes[i]) std::memcpy(pieces[i], p, bytes[i]);
+      p += bytes[i];
+    }
+    return;
   }
-  if (!val) {
-    dropped_val.resize(count);
-    val = dropped_val.data();
+  std::vector<Bytes> dropped(count);
+  std::vector<MPI_Request> requests;
+  for (int i = 0; i < count; ++i) {
+    if (!bytes[i]) continue;
+    void* into = pieces[i];
+    if (!into) {
+      dropped[i].resize(bytes[i]);
+      into = dropped[i].data();
+    }
+    requests.emplace_back();
+    MPI_Irecv(into, static_cast<int>(bytes[i]), MPI_BYTE, source, tag_, comm_, &requests.back());
   }
-  MPI_Request requests[2];
-  int n = 0;
-  if (!h.dense) MPI_Irecv(idx, static_cast<int>(count * sizeof(int32_t)), MPI_BYTE, source, tag_, comm_, &requests[n++]);
-  MPI_Irecv(val, static_cast<int>(count * sizeof(float)), MPI_BYTE, source, tag_, comm_, &requests[n++]);
-  Await(requests, n);
+  Await(requests.data(), static_cast<int>(requests.size()));
   --payloads_due_[source];
 }
 

@@ -3,9 +3,10 @@
 // on the algorithm's own messages (no agreement round before a call, no status round after it).
 //
 //   header {signature, kind, flags, bad rank, count, dense, inline, nnz max/min/sum}
-//   then `count` int32 indices + `count` float32 values (pairs), or `count` float32 values (a
-//   dense slice): inside the header's message when small, else as two more messages under the
-//   same tag, straight from the sender's buffers (MPI keeps messages of one source and tag in order).
+//   then `count` int32 indices + `count` float32 values (pairs), `count` float32 values (a dense
+//   slice) or `coded` bytes of QSGD codes of a dense slice of `count` values: inside the header's
+//   message when small, else as one or two more messages under the same tag, straight from the
+//   sender's buffers (MPI keeps messages of one source and tag in order).
 //
 // A receiver compares the signature hash with its own and ORs the flags into its own; the flags
 // travel on in every later message, so an error reaches every rank whose result depends on the
@@ -68,10 +69,11 @@ struct Header {
   int32_t count = 0;                                        // pairs, or values of a dense slice
   int32_t dense = 0;
   int32_t inline_payload = 0;
+  int32_t coded = 0;  // > 0: the dense slice travels as this many bytes of QSGD codes
   int64_t nnz_max = 0, nnz_min = 0, nnz_sum = 0;            // carried by the agreement step
 };
 
-inline int64_t PayloadBytes(const Header& h) { return int64_t{h.count} * (h.dense ? 4 : 8); }
+inline int64_t PayloadBytes(const Header& h) { return h.coded > 0 ? h.coded : int64_t{h.count} * (h.dense ? 4 : 8); }
 
 inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(handle)); }
 
@@ -118,6 +120,8 @@ class Call {
   Header Make(int64_t count, bool dense) const;
   // Posts a message to `dest` (payload `idx` (pairs only) and `val`, valid until WaitSends).
   void Send(int dest, Header h, const int32_t* idx, const float* val);
+  // Posts a message whose payload is the `h.coded` bytes at `codes` (valid until WaitSends).
+  void SendCoded(int dest, Header h, const char* codes);
   void WaitSends();
   // The next message from `source`: its header (and its payload when that travels inline).
   // Checks the signature and takes the flags; throws Aborted on an abort notice or a mismatch.
@@ -132,6 +136,8 @@ class Call {
   // The payload of message `m` from `source`, into idx (pairs only; nullptr: dropped) and val
   // (nullptr: dropped). Payloads of one source must be taken in the order of their headers.
   void Payload(int source, const Message& m, int32_t* idx, float* val);
+  // The payload of a coded message (`m.h.coded` bytes) into `codes`.
+  void PayloadCoded(int source, const Message& m, char* codes);
   // Waits for a nonblocking MPI collective (or any requests).
   void Await(MPI_Request* requests, int count);
 
@@ -152,6 +158,8 @@ class Call {
   std::string Diagnose();
 
  private:
+  void Post(int dest, Header h, const void* const* pieces, const int64_t* bytes, int count);
+  void Read(int source, const Message& m, void* const* pieces, const int64_t* bytes, int count);
   void Drain(int source);
   Message ReceiveRaw(int source);
   Message Take(MPI_Message* message, const MPI_Status& status);

@@ -46,7 +46,10 @@ def price(model: CostModel, plan: Plan, name: str, size: int, capacity: int, nnz
 
 
 def best(model: CostModel, plan: Plan, size: int, capacity: int, nnz: float) -> str:
-    costs = {name: price(model, plan, name, size, capacity, nnz) for name in CANDIDATES}
+    """The cheapest candidate. With QSGD, no float32 dense allreduce: a caller who asks for b bits
+    gets them wherever the data goes dense (quantized DSAR), and exact pairs where it stays sparse."""
+    names = [name for name in CANDIDATES if not (plan.quantize and name == "dense")]
+    costs = {name: price(model, plan, name, size, capacity, nnz) for name in names}
     return min(costs, key=costs.get)
 
 

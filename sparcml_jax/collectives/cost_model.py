@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 from mpi4py import MPI
 
 from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS, Combine, Quantize
-from sparcml_jax.comm.topology import (allgather_capacities, block_pass, exchange_capacity, gathered_capacity,
-                                       grown_capacity, largest_part_capacity, longest_part, owned_slot, part_capacity,
-                                       passed_capacity, peers_of, segment_capacities, segment_slot, selected_capacity)
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, codes_segments, exchange_capacity,
+                                       gathered_capacity, grown_capacity, largest_part_capacity, longest_part,
+                                       owned_slot, part_capacity, passed_capacity, peers_of, segment_capacities,
+                                       segment_slot, selected_capacity)
+from sparcml_jax.kernels.qsgd import qsgd_wire_bytes
 from sparcml_jax.stream import dense_threshold
 
 if TYPE_CHECKING:
@@ -380,15 +382,20 @@ class Pricing:
             out = dataclasses.replace(target, fan_in=sent.fan_in)
         return [out if j == into % p else seg for j, seg in enumerate(segments)]
 
-    def reduce_scatter(self, s: Estimate, *, dense: bool = False) -> Estimate:
+    def reduce_scatter(self, s: Estimate, *, dense: bool = False, quantize: Quantize | None = None) -> Estimate:
         m, p, n = self.model, self.nprocs, s.size
         length = longest_part(n, p)
-        if self.static:  # every segment travels at its whole slot
-            sends = (p - 1) * self._send(8.0 + 8.0 * segment_slot(s.capacity, n, p))
-        else:  # range r of the stream to rank r
-            sends = (p - 1) * self._send(self.wire(s) / p)
+        # Every segment travels at its whole slot (static buffers), or range r of the stream goes to
+        # rank r; a quantized one that travels dense goes as its QSGD codes.
+        segment = 8.0 + 8.0 * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p
+        coded = dense and quantize is not None and (codes_segments(s.capacity, n, p) if self.static
+                                                    else self.is_dense(s))
+        if coded:
+            segment = float(qsgd_wire_bytes(length, bits=quantize.bits, bucket_size=quantize.bucket_size))
+            self._seconds += 4 * (p - 1) / p * n * m.element_cost  # coded by the senders, decoded by the owners
+        sends = (p - 1) * self._send(segment)
         self.messages += p - 2
-        self._sent += (p - 2) * (8.0 + 8.0 * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p)
+        self._sent += (p - 2) * segment
         self._stage_everywhere(self._scatter_staging(s))
         if dense and not self.static and self.is_dense(s):
             # The slices are sent from where they lie and added into a zero-filled slice (each

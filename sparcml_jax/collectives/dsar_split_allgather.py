@@ -2,8 +2,12 @@
 
 After the split phase each rank owns the dense sum of its N/P range, and a dense allgather
 finishes the job: ``(P-1)/P * (2k + N)`` values on the wire, never worse than a dense allreduce.
-With ``quantize`` the dense phase carries QSGD codes instead of float32 (SparCML §6): every
-rank decodes the same bytes, so all ranks still hold identical results.
+With ``quantize`` both phases carry QSGD codes wherever they carry dense values (SparCML §6;
+CGX's scatter-reduce-allgather behind SparCML's sparse/dense switch): a split-phase segment that
+turned dense travels coded and is summed in float32 by its owner, while sparse segments stay
+exact pairs; in the allgather every rank decodes the same bytes, so all ranks still hold
+identical results. At b bits a dense vector costs about ``2 (P-1)/P * N * b/8`` bytes per rank
+plus one float32 scale per bucket, against ``2 (P-1)/P * 4N`` for the float32 dense allreduce.
 """
 
 from __future__ import annotations
@@ -12,5 +16,5 @@ from sparcml_jax.comm import Quantize, S, Transport
 
 
 def dsar_split_allgather(t: Transport[S], s: S, quantize: Quantize | None = None) -> S:
-    mine = t.reduce_scatter(s, dense=True)  # rank r: the dense sum of range r
+    mine = t.reduce_scatter(s, dense=True, quantize=quantize)  # rank r: the dense sum of range r
     return t.allgather(mine, dense=True, quantize=quantize)

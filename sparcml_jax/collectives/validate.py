@@ -45,7 +45,7 @@ def check_allreduce_arguments(stream: Any, *, algorithm: str, delta: float, quan
         if quantize_bits not in QUANTIZE_BITS:
             raise ValueError(f"quantize_bits must be one of {QUANTIZE_BITS} or None, got {quantize_bits!r}")
         if algorithm not in ("auto", "dsar_split_allgather"):
-            raise ValueError(f"quantize_bits applies to the dense phase of 'dsar_split_allgather' (or 'auto'), "
+            raise ValueError(f"quantize_bits codes the dense phases of 'dsar_split_allgather' (or 'auto'), "
                              f"not {algorithm!r}")
         if key is None:
             raise ValueError("quantize_bits needs key=: a PRNG key, fresh every step, for QSGD's stochastic rounding")

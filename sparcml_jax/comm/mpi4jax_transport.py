@@ -29,10 +29,10 @@ from mpi4py import MPI
 
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.static_buffers import HEADER, Part, StaticBuffers, densify, header, pack, unpack
-from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, exchange_capacity,
-                                       grown_capacity, longest_part, owned_slot, part_bounds, part_capacity,
-                                       part_length, passed_capacity, peers_of, ring_segments, segment_slot,
-                                       selected_capacity)
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, codes_segments,
+                                       exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
+                                       part_capacity, part_length, passed_capacity, peers_of, ring_segments,
+                                       segment_slot, selected_capacity)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
 
@@ -125,8 +125,13 @@ class Mpi4jaxTransport(StaticBuffers):
 
     # --------------------------------------------------------------------------- collectives
 
-    def reduce_scatter(self, s: SparseStream, *, dense: bool = False) -> Part:
+    def reduce_scatter(self, s: SparseStream, *, dense: bool = False, quantize: Quantize | None = None) -> Part:
         p, r = self.nprocs, self.rank
+        if dense and quantize is not None and codes_segments(s.capacity, s.size, p):
+            total, sent = self._coded_reduce_scatter(
+                s, quantize, lambda rows: mpi4jax.alltoall(rows, comm=self.comm) if p > 1 else rows, r)
+            self._after(True, jnp.bool_(True), sent)
+            return Part(None, total[:part_length(s.size, p, r)], s.capacity)
         slot = segment_slot(s.capacity, s.size, p)
         sendbuf = self._segments(s, slot)
         received = mpi4jax.alltoall(sendbuf, comm=self.comm) if p > 1 else sendbuf

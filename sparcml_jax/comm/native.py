@@ -142,11 +142,12 @@ class Recorder:
                   COMBINE[combine])
         return [out if j == into_index else seg for j, seg in enumerate(segments)]
 
-    def reduce_scatter(self, s: Register, *, dense: bool = False) -> Register:
+    def reduce_scatter(self, s: Register, *, dense: bool = False, quantize: Quantize | None = None) -> Register:
         length = part_length(s.size, self.nprocs, self.rank)
         capacity = length if dense else part_capacity(s.capacity, s.size, self.nprocs, self.rank, self.delta)
         out = self._new(length, capacity, source_capacity=s.capacity)
-        self.emit(REDUCE_SCATTER, out.id, capacity, s.id, int(dense))
+        coding = (0, 0, 0) if quantize is None else (quantize.bits, quantize.bucket_size, SCALES[quantize.scale])
+        self.emit(REDUCE_SCATTER, out.id, capacity, s.id, int(dense), *coding)
         return out
 
     def allgather(self, part: Register, *, dense: bool = False, quantize: Quantize | None = None,

@@ -5,8 +5,8 @@ threshold in a capacity that holds it; a range travels as its dense slice once t
 larger than its pairs) and counts the bytes each rank sends as the ``native`` or the
 ``mpi4jax`` transport sends them. It checks an algorithm's definition without MPI, and it is
 where the wire volumes that the real transports report come from in the tests: the same
-definition, interpreted a third way. QSGD is not simulated: a quantized allgather sums exactly
-and counts the codes' bytes.
+definition, interpreted a third way. QSGD is not simulated: a quantized phase sums exactly and
+counts the codes' bytes.
 
 Example:
   >>> import numpy as np
@@ -22,16 +22,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
 
 from sparcml_jax.comm import Combine, Quantize
-from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
-                                       exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
-                                       part_capacity, passed_capacity, segment_capacities, segment_slot,
-                                       selected_capacity)
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, codes_segments,
+                                       concatenated_capacity, exchange_capacity, grown_capacity, longest_part,
+                                       owned_slot, part_bounds, part_capacity, passed_capacity, segment_capacities,
+                                       segment_slot, selected_capacity)
+from sparcml_jax.kernels.qsgd import qsgd_wire_bytes
 from sparcml_jax.stream import dense_threshold
 
 
@@ -174,15 +174,21 @@ class Simulated:
                             else dataclasses.replace(sent, capacity=kept.capacity))
         return out
 
-    def reduce_scatter(self, s: Ranks, *, dense: bool = False) -> Ranks:
+    def reduce_scatter(self, s: Ranks, *, dense: bool = False, quantize: Quantize | None = None) -> Ranks:
         n, p = self.size, self.nprocs
         capacity = s[0].capacity
+        coded = dense and quantize is not None and (self.wire == "native" or codes_segments(capacity, n, p))
         parts = []
         for r in range(p):
             lo, hi = part_bounds(n, p, r)
             segments = [self._travelling(s[q].range(lo, hi)) for q in range(p)]
             for q in range(p):
-                if q != r:
+                if q == r:
+                    continue
+                if coded and (self.wire != "native" or segments[q].dense):
+                    length = hi - lo if self.wire == "native" else longest_part(n, p)
+                    self.sent[q] += qsgd_wire_bytes(length, bits=quantize.bits, bucket_size=quantize.bucket_size)
+                else:
                     self.sent[q] += (self._message(segments[q]) if self.wire == "native"
                                      else 8.0 + 8.0 * segment_slot(capacity, n, p))
             if dense:
@@ -217,7 +223,7 @@ class Simulated:
             if quantize is None:
                 per_rank = 4.0 * slot
             else:
-                per_rank = math.ceil(slot * quantize.bits / 8) + 4 * math.ceil(slot / quantize.bucket_size)
+                per_rank = qsgd_wire_bytes(slot, bits=quantize.bits, bucket_size=quantize.bucket_size)
             whole = SimStream(n, n, None, np.concatenate([x.to_dense() for x in part]))
             self.sent = [sent + (p - 1) * per_rank for sent in self.sent]
             return [dataclasses.replace(whole, val=whole.val.copy()) for _ in range(p)]

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparcml_jax.comm.topology import (concatenated_capacity, part_bounds, part_length, segment_capacities,
-                                       segment_slot, selected_capacity)
+from sparcml_jax.comm.topology import (concatenated_capacity, longest_part, part_bounds, part_length,
+                                       segment_capacities, segment_slot, selected_capacity)
 from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds, to_dense
@@ -127,6 +127,30 @@ class StaticBuffers:
             valid = jnp.arange(slot) < count
             rows.append(pack(jnp.where(valid, idx, part_length(s.size, parts, r)), jnp.where(valid, val, 0.0), count))
         return jnp.stack(rows)
+
+    def _coded_reduce_scatter(self, s: SparseStream, q, all_to_all, rank) -> tuple[jax.Array, int]:
+        """(The dense sum of range ``rank``, zero-padded to the longest range; bytes sent.) Every
+        segment travels as its QSGD codes except this rank's own, and the sum is float32 in rank
+        order, as the native engine's. ``all_to_all`` exchanges rows [P, ...] (row r to rank r)."""
+        from sparcml_jax.kernels.qsgd import QuantizedVector, key_words, qsgd_dequantize, qsgd_quantize, segment_key
+
+        p, n = self.nprocs, s.size
+        longest = longest_part(s.size, p)
+        values = densify(self._checked(s))
+        slices = jnp.stack([jnp.pad(values[lo:hi], (0, longest - (hi - lo)))
+                            for lo, hi in (part_bounds(n, p, r) for r in range(p))])
+        words = key_words(jax.random.fold_in(self.key, rank))
+        coded = [qsgd_quantize(slices[r], segment_key(words, r), bits=q.bits, bucket_size=q.bucket_size,
+                               scale=q.scale) for r in range(p)]
+        packed = all_to_all(jnp.stack([c.data for c in coded]))
+        scales = all_to_all(jnp.stack([c.scales for c in coded]))
+        own = slices[rank]
+        total = jnp.zeros((longest,), VALUE_DTYPE)
+        for source in range(p):
+            decoded = qsgd_dequantize(QuantizedVector(packed[source], scales[source], longest, q.bits, q.bucket_size,
+                                                      q.scale))
+            total = total + jnp.where(source == rank, own, decoded)
+        return total, (coded[0].data.size + 4 * coded[0].scales.size) * (p - 1)
 
     def split(self, s: SparseStream, *, fan_in: int = 1, parts: int | None = None) -> list[SparseStream]:
         p = self.nprocs if parts is None else parts

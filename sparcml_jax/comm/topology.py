@@ -30,6 +30,12 @@ def segment_slot(capacity: int, size: int, parts: int) -> int:
     return min(capacity, longest_part(size, parts))
 
 
+def codes_segments(capacity: int, size: int, parts: int) -> bool:
+    """Whether a quantized reduce-scatter on static buffers sends codes: once a segment's slot of
+    pairs could hold its range's dense values (its fixed message is then no smaller than them)."""
+    return 2 * segment_slot(capacity, size, parts) >= longest_part(size, parts)
+
+
 def lower_power_of_two(p: int) -> int:
     return 1 << (p.bit_length() - 1)
 

@@ -28,10 +28,10 @@ import numpy as np
 
 from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.static_buffers import Part, StaticBuffers, densify, pack, unpack
-from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
-                                       exchange_capacity, grown_capacity, largest_part_capacity, longest_part,
-                                       owned_slot, part_bounds, part_length, passed_capacity, segment_capacities,
-                                       segment_slot)
+from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, codes_segments,
+                                       concatenated_capacity, exchange_capacity, grown_capacity,
+                                       largest_part_capacity, longest_part, owned_slot, part_bounds, part_length,
+                                       passed_capacity, segment_capacities, segment_slot)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
@@ -174,8 +174,13 @@ class XlaTransport(StaticBuffers):
 
     # --------------------------------------------------------------------------- collectives
 
-    def reduce_scatter(self, s: SparseStream, *, dense: bool = False) -> Part:
+    def reduce_scatter(self, s: SparseStream, *, dense: bool = False, quantize: Quantize | None = None) -> Part:
         p = self.nprocs
+        if dense and quantize is not None and codes_segments(s.capacity, s.size, p):
+            total, sent = self._coded_reduce_scatter(
+                s, quantize, lambda rows: jax.lax.all_to_all(rows, self.axis, 0, 0) if p > 1 else rows, self.rank)
+            self._after(jnp.bool_(True), jnp.bool_(True), sent)
+            return Part(None, total, s.capacity)
         slot = segment_slot(s.capacity, s.size, p)
         sendbuf = self._segments(self._checked(s), slot)
         received = jax.lax.all_to_all(sendbuf, self.axis, 0, 0) if p > 1 else sendbuf

@@ -90,6 +90,14 @@ def qsgd_wire_bytes(size: int, *, bits: int = 4, bucket_size: int = 1024) -> int
     return qsgd_packed_bytes(size, bits) + VALUE_BYTES * qsgd_num_buckets(size, bucket_size)
 
 
+def segment_key(words: jax.Array, segment: int) -> jax.Array:
+    """The raw key a quantized reduce-scatter codes its segment for range ``segment`` with, from
+    this rank's key words: the second word XORed with ``0x9E3779B9 * (segment + 1)`` (mod 2^32),
+    as the native engine does, so that no two codings of one call share their draws."""
+    salt = np.uint32((0x9E3779B9 * (segment + 1)) & 0xFFFFFFFF)
+    return words.at[1].set(words[1] ^ salt)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedVector:

@@ -22,6 +22,7 @@ from _util import AXIS, CASES, MODEL, accumulators, identical_on_every_device, i
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from global_topk_reference import (gtopk_reference, initial_oktopk_state, oktopk_step_reference,  # noqa: E402
                                    spardl_reference)
+from quantized_dsar_reference import quantized_dsar_reference  # noqa: E402
 
 SIZES = range(1, 9)
 
@@ -88,6 +89,25 @@ def test_quantized_dsar_decodes_the_same_bytes_on_every_device():
     out = on_mesh(p, quantized, rows, shared=(jax.random.key(5),))
     assert identical_on_every_device(out)
     np.testing.assert_array_equal(out[0], rows.sum(axis=0))
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 5, 8))
+@pytest.mark.parametrize("bits", (2, 8))
+def test_quantized_dsar_equals_its_reference(p, bits):
+    """Both phases coded as specified (tests/quantized_dsar_reference.py), bit for bit, on every
+    device. Static buffers code a split-phase segment whenever its buffer holds its range (capacity
+    N: always; a top-k capacity: never, so those segments stay exact pairs)."""
+    n, bucket = 1001, 64
+    rows = integer_rows(p, n, 1.0, seed=11).astype(np.float32) * np.float32(0.37)
+    sparse = integer_rows(p, n, 0.01, seed=12)
+    key = jax.random.key(21)
+    for data, capacity in ((rows, n), (sparse, 16)):
+        out = on_mesh(p, lambda x, k: sj.sparse_allreduce(
+            sj.from_dense(x, capacity=capacity), axis_name=AXIS, algorithm="dsar_split_allgather", quantize_bits=bits,
+            key=k, bucket_size=bucket).to_dense(), data, shared=(key,))
+        assert identical_on_every_device(out)
+        want = quantized_dsar_reference(data, key, bits=bits, bucket=bucket, coded=lambda r, o: capacity == n)
+        np.testing.assert_array_equal(out[0].view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("p", (1, 3, 8))

@@ -178,7 +178,8 @@ class Inputs:
         self.x = dense_of(self.support, self.values, size)
         gathered = COMM.allgather((self.support, self.x))
         self.supports = [s for s, _ in gathered]
-        self.total = np.sum(np.stack([x for _, x in gathered]), axis=0, dtype=np.float32)
+        self.rows = np.stack([x for _, x in gathered])
+        self.total = np.sum(self.rows, axis=0, dtype=np.float32)
         self.union = np.unique(np.concatenate(self.supports)) if self.supports else np.zeros(0, np.int32)
 
     def __repr__(self):

@@ -12,6 +12,8 @@ P <= 4 and a representative subset at P = 5 and 8.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +44,9 @@ from sparcml_jax import (ALGORITHMS, SparseStream, from_dense, nonzeros_allreduc
 from sparcml_jax.collectives._plan import Plan
 from sparcml_jax.collectives.auto import best, choice_table
 from sparcml_jax.collectives.cost_model import CostModel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
+from quantized_dsar_reference import quantized_dsar_reference  # noqa: E402
 
 
 DENSITIES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0)
@@ -320,27 +325,38 @@ def test_allreduce_inside_user_jit(transport, algorithm):
 # ----------------------------------------------------------------------------- quantized DSAR
 
 
-def quantized_bound_failures(label: str, got: np.ndarray, total: np.ndarray, quantize_bits: int) -> list[str]:
+def quantized_bound_failures(label: str, got: np.ndarray, inp: Inputs, quantize_bits: int) -> list[str]:
     """QSGD with the "max" scale rounds each value to one of the two nearest of L levels of its
-    bucket's scale s = max |v| (buckets of QUANT_BUCKET values within each rank's range): the
-    error of every element is at most s / L. Also a 6-sigma bound on the summed error (unbiased)."""
+    bucket's scale s = max |v| (buckets of QUANT_BUCKET values within each rank's range): the error
+    of every element is at most s / L. DSAR codes twice. In the split phase rank r's segment for
+    range o (r != o) is coded when it travels dense (DSAR runs on the native engine on both MPI
+    transports: when its count reaches the dense threshold): error at most s_r / L. The owner then codes its partial sum, whose bucket maximum is at most the exact sum's
+    plus that error. Also a 6-sigma bound on the summed error (unbiased)."""
     L = (1 << (quantize_bits - 1)) - 1
-    n = total.size
-    bound = np.zeros(n)
-    for r in range(NPROCS):
-        lo, hi = part_bounds(n, NPROCS, r)
+    total, n = inp.total, inp.total.size
+    split = np.zeros(n)
+    gather = np.zeros(n)
+    for o in range(NPROCS):
+        lo, hi = part_bounds(n, NPROCS, o)
+        for r in range(NPROCS):
+            if r == o or np.count_nonzero(inp.rows[r, lo:hi]) < dense_threshold(hi - lo):
+                continue
+            for b in range(lo, hi, QUANT_BUCKET):
+                e = min(b + QUANT_BUCKET, hi)
+                split[b:e] += np.abs(inp.rows[r, b:e]).max(initial=0.0) / L
         for b in range(lo, hi, QUANT_BUCKET):
             e = min(b + QUANT_BUCKET, hi)
-            bound[b:e] = np.abs(total[b:e]).max(initial=0.0) / L
+            gather[b:e] = (np.abs(total[b:e]).max(initial=0.0) + split[b:e].max(initial=0.0)) / L
+    bound = split + gather
     err = got.astype(np.float64) - total.astype(np.float64)
     failures = []
     if not np.all(np.isfinite(got)):
         failures.append(f"{label}: non-finite values in the result")
     over = np.flatnonzero(np.abs(err) > bound * (1 + 1e-5) + 1e-6)
     if over.size:
-        failures.append(f"{label}: {over.size} elements exceed the QSGD bound s/L, e.g. index {over[0]}: "
+        failures.append(f"{label}: {over.size} elements exceed the QSGD bound, e.g. index {over[0]}: "
                         f"err {err[over[0]]} > {bound[over[0]]}")
-    sigma = np.sqrt(np.sum((bound / 2) ** 2))  # Var <= s^2 / (4 L^2) per element
+    sigma = np.sqrt(np.sum((bound / 2) ** 2))  # Var <= s^2 / (4 L^2) per coding
     if abs(err.sum()) > 6 * sigma + 1e-6:
         failures.append(f"{label}: summed error {err.sum()} exceeds 6 sigma = {6 * sigma} (biased?)")
     return failures
@@ -359,7 +375,7 @@ def test_quantized_dsar_within_qsgd_bound(transport, quantize_bits):
                                           quantize_bits=quantize_bits, key=key, bucket_size=QUANT_BUCKET,
                                           return_stats=True)
             got = np.asarray(out.to_dense())
-            failures += quantized_bound_failures(label, got, inp.total, quantize_bits)
+            failures += quantized_bound_failures(label, got, inp, quantize_bits)
             if int(out.nnz) != inp.size or int(stats.algorithm) != ALGORITHMS.index("dsar_split_allgather"):
                 failures.append(f"{label}: nnz={int(out.nnz)}, algorithm={int(stats.algorithm)}")
             if density == 0.0 and np.any(got != 0):
@@ -394,6 +410,93 @@ def test_quantized_dsar_exact_for_constant_inputs(transport, quantize_bits):
     agree_all(failures, f"quantized DSAR constant input {quantize_bits} bits / {transport}")
 
 
+def ramp_inputs() -> Inputs:
+    """Every rank a dense ramp of its own slope (CGX's test form): each bucket's values spread
+    over its whole scale."""
+    inp = Inputs(1001, 1001, 1001, "random", seed=31)
+    size = inp.size
+    ramp = lambda r: ((np.arange(size) % 97 - 48) * (r + 1) / 8).astype(np.float32)  # noqa: E731
+    inp.rows = np.stack([ramp(r) for r in range(NPROCS)])
+    inp.total = np.sum(inp.rows, axis=0, dtype=np.float32)
+    inp.x = inp.rows[RANK]
+    inp.stream = SparseStream(jnp.arange(size, dtype=jnp.int32), jnp.asarray(inp.x), jnp.int32(size), size)
+    inp.kind = "ramp"
+    return inp
+
+
+@pytest.mark.parametrize("transport,quantize_bits", QUANT_CASES)
+def test_quantized_dsar_equals_its_reference(transport, quantize_bits):
+    """Both phases coded as specified (tests/quantized_dsar_reference.py), bit for bit: a segment
+    is coded exactly when it travels as a dense slice (its count reaches the dense threshold), so
+    sparse segments stay exact pairs; the owners sum in float32 in rank order."""
+    failures = []
+    cases = [inputs("full", 1.0, "random"), inputs("full", 0.5, "unequal"), inputs("full", 0.01, "random"),
+             ramp_inputs()]
+    for step, inp in enumerate(cases):
+        label = f"q{quantize_bits}/{transport} {inp}"
+        key = jax.random.fold_in(jax.random.key(99), step)
+        n = inp.size
+
+        def coded(r, o, inp=inp):
+            lo, hi = part_bounds(n, NPROCS, o)
+            return np.count_nonzero(inp.rows[r, lo:hi]) >= dense_threshold(hi - lo)
+
+        want = quantized_dsar_reference(inp.rows, key, bits=quantize_bits, bucket=QUANT_BUCKET, coded=coded)
+        try:
+            out = sparse_allreduce(inp.stream, algorithm="dsar_split_allgather", transport=transport,
+                                   quantize_bits=quantize_bits, key=key, bucket_size=QUANT_BUCKET)
+            got = np.asarray(out.to_dense())
+            if not np.array_equal(bits(got), bits(want)):
+                bad = np.flatnonzero(bits(got) != bits(want))
+                failures.append(f"{label}: {bad.size} elements differ from the reference, e.g. index {bad[0]}: "
+                                f"{got[bad[0]]} vs {want[bad[0]]}")
+            if inp.kind == "ramp":
+                failures += quantized_bound_failures(label, got, inp, quantize_bits)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+    agree_all(failures, f"quantized DSAR against its reference, {quantize_bits} bits / {transport}")
+
+
+def test_quantized_dsar_on_static_buffers_equals_its_reference():
+    """The mpi4jax transport interprets quantized DSAR too (sparse_allreduce runs DSAR on the
+    native engine on both MPI transports): a stream of capacity N codes every segment."""
+    from sparcml_jax.collectives._plan import Quantization, definition
+    from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
+
+    inp = ramp_inputs()
+    key = jax.random.key(8)
+
+    @jax.jit
+    def run(stream, key):
+        t = Mpi4jaxTransport(COMM, 1.0, stream.size, jnp.int32(0), key)
+        return definition("dsar_split_allgather")(t, stream, quantize=Quantization(4, QUANT_BUCKET)).to_dense()
+
+    got = np.asarray(run(inp.stream, key))
+    want = quantized_dsar_reference(inp.rows, key, bits=4, bucket=QUANT_BUCKET)
+    failures = [] if np.array_equal(bits(got), bits(want)) else [
+        f"{np.count_nonzero(bits(got) != bits(want))} elements differ from the reference"]
+    agree_all(failures, "quantized DSAR on the mpi4jax transport")
+
+
+def test_quantized_dsar_is_unbiased():
+    """QSGD's rounding is unbiased in both phases: over many keys the mean result approaches the
+    exact sum, within 5 standard errors of the mean per element's summed error."""
+    inp = inputs("full", 1.0, "random")
+    samples = 48
+    results = np.stack([np.asarray(sparse_allreduce(inp.stream, algorithm="dsar_split_allgather", quantize_bits=2,
+                                                    key=jax.random.fold_in(jax.random.key(5), i),
+                                                    bucket_size=QUANT_BUCKET).to_dense(), np.float64)
+                        for i in range(samples)])
+    err = results - inp.total.astype(np.float64)
+    per_bucket_error = [err[:, b:b + QUANT_BUCKET].sum(axis=1) for b in range(0, inp.size, QUANT_BUCKET)]
+    failures = []
+    for b, e in enumerate(per_bucket_error):
+        if abs(e.mean()) > 5 * e.std(ddof=1) / np.sqrt(samples) + 1e-6:
+            failures.append(f"bucket {b}: mean summed error {e.mean()} over {samples} keys, "
+                            f"standard error {e.std(ddof=1) / np.sqrt(samples)} (biased?)")
+    agree_all(failures, "quantized DSAR unbiased")
+
+
 def test_quantized_auto_is_exact_unless_dsar():
     """With quantize_bits, "auto" quantizes only when it picks DSAR; any SSAR choice stays exact."""
     failures = []
@@ -405,7 +508,7 @@ def test_quantized_auto_is_exact_unless_dsar():
                                           bucket_size=QUANT_BUCKET, return_stats=True)
             got = np.asarray(out.to_dense())
             if ALGORITHMS[int(stats.algorithm)] == "dsar_split_allgather":
-                failures += quantized_bound_failures(label, got, inp.total, 4)
+                failures += quantized_bound_failures(label, got, inp, 4)
             elif not np.array_equal(bits(got), bits(inp.total)):
                 failures.append(f"{label}: {ALGORITHMS[int(stats.algorithm)]} result is not the exact sum")
         except Exception as e:  # noqa: BLE001
