@@ -86,13 +86,19 @@ def test_global_topk_sweep_beside_sparcml(tmp_path):
 def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):
     out = tmp_path / "in_step.json"
     result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "allreduce", "--quick", "--no-baselines",
-                                  "--calls-per-sample", "3", "--json", str(out)], timeout=240)
+                                  "--calls-per-sample", "3", "--bits", "4", "--json", str(out)], timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "3 calls per jitted program" in result.stdout
     rows = json.loads(out.read_text())
     assert rows and all(ROW_KEYS <= set(r) and r["calls_per_sample"] == 3 for r in rows)
     assert {r["chosen"] for r in rows if r["algorithm"] == "auto"} <= {"ssar_recursive_doubling", "ssar_split_allgather",
                                                                      "dsar_split_allgather", "sparse_ring", "dense"}
+    # QSGD rows: DSAR codes its dense phases (fewer bytes than float32 DSAR); auto never takes float32 dense.
+    for cell in {(r["N"], r["density"]) for r in rows}:
+        by = {r["algorithm"]: r for r in rows if (r["N"], r["density"]) == cell}
+        assert by["dsar_split_allgather/q4"]["quantize_bits"] == 4 and by["dsar_split_allgather"]["quantize_bits"] is None
+        assert by["dsar_split_allgather/q4"]["bytes_sent_max"] < by["dsar_split_allgather"]["bytes_sent_max"]
+        assert by["auto/q4"]["chosen"] in ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
 
 
 def test_axis_benchmark_on_forced_devices(tmp_path):

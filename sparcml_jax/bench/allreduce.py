@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from sparcml_jax.bench._timing import block, fmt_time, print_table, repeated_in_one_program
 from sparcml_jax.collectives import ALGORITHMS, CostModel, dense_allreduce, sparse_allgather, sparse_allreduce
-from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
+from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS, QUANTIZE_BITS
 from sparcml_jax.collectives.auto import cost_model_for
 from sparcml_jax.collectives.global_topk import GlobalTopkStats, global_topk_allreduce
 from sparcml_jax.comm import resolve_comm
@@ -49,6 +49,7 @@ from sparcml_jax.stream import SparseStream, dense_threshold
 
 # "topk": each rank's stream is the top k of its own dense random accumulator (make_accumulator).
 SUPPORTS = ("uniform", "identical", "disjoint", "powerlaw", "topk")
+QUANTIZING = ("dsar_split_allgather", "auto")  # the algorithms that take quantize_bits
 # SparCML's algorithms measured beside the global top-k ones (the dense baseline runs anyway).
 SPARCML_BESIDE_GLOBAL_TOPK = ("auto", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather",
                               "sparse_ring")
@@ -140,10 +141,11 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
 
 
 def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress=None, calls_per_sample=1,
-        model=None, global_topk=()):
+        model=None, global_topk=(), bits=()):
     """The rows of every cell: each of ``algorithms`` (SparCML's) and ``global_topk`` on each of
     ``transports``, beside the dense baseline (and with ``baselines`` the allgather and mpi4py
-    ones), and the cost model used for ``auto`` and the predictions."""
+    ones), each of those of ``algorithms`` that take QSGD once more per ``bits`` (labelled
+    ``"dsar_split_allgather/q4"``), and the cost model used for ``auto`` and the predictions."""
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm, model)
@@ -159,7 +161,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             s = make_stream(size, k, support, rank, nprocs)
             x = s.to_dense()
         cases = _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines,
-                       sparcml_from_x=support == "topk")
+                       sparcml_from_x=support == "topk", bits=bits)
         stats, timed = _compiled_cases(cases, calls_per_sample)
         samples, faults, steal = _interleaved_samples(comm, timed, reps, calls_per_sample)
         cell = dict(P=nprocs, N=size, density=density, support=support, calls_per_sample=calls_per_sample,
@@ -170,7 +172,8 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
     return rows, model
 
 
-def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines, sparcml_from_x=False) -> dict:
+def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines, sparcml_from_x=False,
+           bits=()) -> dict:
     """(name, transport, timed from) -> (jittable call, its arguments), or (None, a call outside
     JAX). A call that reports stats returns ``(result, stats)``. ``timed from`` is ``"stream"``
     (the call gets this rank's stream ``s``) or ``"x"`` (the dense vector ``x``; with
@@ -186,14 +189,18 @@ def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines,
                 lambda s, t=transport: sparse_allgather(s, comm=comm, transport=t, return_stats=True), (s,))
         cases[("allgather+dense sum (DGC)", "mpi4jax", "stream")] = (
             lambda s: allgather_then_densify(s, comm=comm), (s,))
+    key = jax.random.key(0)  # an operand of the call: the same cost as a fresh key every step
     for transport in transports:
-        for algorithm in algorithms:
-            def sparcml(s, a=algorithm, t=transport):
-                return sparse_allreduce(s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True)
+        for algorithm, b in [(a, None) for a in algorithms] + [(a, b) for b in bits for a in algorithms
+                                                                if a in QUANTIZING]:
+            def sparcml(s, a=algorithm, t=transport, b=b):
+                return sparse_allreduce(s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True,
+                                        quantize_bits=b, key=None if b is None else key)
 
-            cases[(algorithm, transport, "stream")] = (sparcml, (s,))
+            label = algorithm if b is None else f"{algorithm}/q{b}"
+            cases[(label, transport, "stream")] = (sparcml, (s,))
             if sparcml_from_x:
-                cases[(algorithm, transport, "x")] = (lambda x, sparcml=sparcml: sparcml(topk(x, k)), (x,))
+                cases[(label, transport, "x")] = (lambda x, sparcml=sparcml: sparcml(topk(x, k)), (x,))
         for algorithm in global_topk:
             cases[(algorithm, transport, "x")] = _global_topk_case(algorithm, transport, x, k, comm)
     return cases
@@ -272,17 +279,19 @@ def _cell_rows(cell: dict, samples: dict, stats: dict, faults: dict, comm, model
         sparcml_stats = st is not None and not isinstance(st, GlobalTopkStats)
         chosen = ALGORITHMS[int(st.algorithm)] if sparcml_stats and int(st.algorithm) >= 0 else None
         sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
-        if name[2] == "x" and (name[0] in ALGORITHMS or name[0] == "auto"):
+        algorithm, _, coded = name[0].partition("/q")
+        bits = int(coded) if coded else None
+        if name[2] == "x" and (algorithm in ALGORITHMS or algorithm == "auto"):
             predicted = None  # the model prices the collective, not the selection before it
-        elif name[0] in ALGORITHMS or name[0] == "auto":
-            predicted = float(model.predict(chosen or name[0], size=size, nnz=k, nprocs=nprocs,
-                                            transport=name[1], capacity=k))
+        elif algorithm in ALGORITHMS or algorithm == "auto":
+            predicted = float(model.predict(chosen or algorithm, size=size, nnz=k, nprocs=nprocs,
+                                            transport=name[1], capacity=k, quantize_bits=bits))
         elif name[0].startswith("dense") or name[0].startswith("mpi4py"):  # MPI_Allreduce of a dense vector
             predicted = model.dense_alpha + 4.0 * size * model.dense_beta if nprocs > 1 else 0.0
         else:
             predicted = None
         rows.append(dict(
-            cell, algorithm=name[0], transport=name[1], timed_from=name[2], chosen=chosen,
+            cell, algorithm=name[0], quantize_bits=bits, transport=name[1], timed_from=name[2], chosen=chosen,
             median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
             ratio_to_dense=float(np.median(times)) / dense_median,
             bytes_sent_max=sent, result_density=int(st.result_nnz) / size if st is not None else None,
@@ -319,6 +328,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="global top-k allreduces of each rank's dense vector, "
                              f"{{{','.join(GLOBAL_TOPK_ALGORITHMS)}}}; default: all for --sweep global-topk, else none")
     parser.add_argument("--transports", nargs="+", default=["native", "mpi4jax"])
+    parser.add_argument("--bits", type=int, nargs="+", default=[], choices=QUANTIZE_BITS,
+                        help="also run DSAR and auto (of --algorithms) with QSGD at these bits, in both phases "
+                             "wherever they carry dense values (rows 'dsar_split_allgather/q4', 'auto/q4')")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--calls-per-sample", type=int, default=1, metavar="R",
                         help="time R calls in one jitted program (as inside a training step; JAX dispatches it "
@@ -401,7 +413,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--calls-per-sample must be at least 1, got {args.calls_per_sample}")
     model = CostModel.load(args.cost_model) if args.cost_model else None
     rows, model = run(cells, args.algorithms, args.transports, args.reps, comm, baselines=not args.no_baselines,
-                      calls_per_sample=args.calls_per_sample, model=model, global_topk=args.global_topk,
+                      calls_per_sample=args.calls_per_sample, model=model, global_topk=args.global_topk, bits=args.bits,
                       progress=_progress_bar if comm.Get_rank() == 0 else None)
     _report(args, rows, model, comm)
     return rows

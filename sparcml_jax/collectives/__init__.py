@@ -65,9 +65,9 @@ def sparse_allreduce(
       quantize_bits: QSGD bits (2, 4, 8) wherever the sum travels dense (§6): DSAR's split-phase
         segments that turned dense and its allgather phase carry b-bit codes plus one float32
         scale per ``bucket_size`` values (about b/32 of float32's bytes), summed in float32;
-        sparse segments stay exact pairs. ``"auto"`` then never takes the float32 dense
-        allreduce, and takes a sparse algorithm (exact) only where the model expects the sum to
-        stay sparse. Needs ``key``.
+        sparse segments stay exact pairs. ``"auto"`` then takes neither the float32 dense
+        allreduce nor the ring, and takes SSAR (exact pairs) only where the model expects the sum
+        to stay sparse. Needs ``key``.
       key: PRNG key for QSGD; pass a fresh one every step.
       bucket_size, quantize_scale: QSGD bucket length and scale kind (``"max"`` or ``"l2"``).
       cost_model: the model ``"auto"`` chooses with; by default the file named by

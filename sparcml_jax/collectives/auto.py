@@ -34,9 +34,9 @@ def price(model: CostModel, plan: Plan, name: str, size: int, capacity: int, nnz
     of the capacities (recursive doubling on mpi4jax, streams of capacity N at 10 %, P = 4: 168 ms
     against 21 ms dense).
     """
-    q = plan.quantize if name == "dsar_split_allgather" else None
     cost = float(model.predict(name, size=size, nnz=nnz, nprocs=plan.nprocs, transport=plan.transport,
-                               capacity=capacity, quantize_bits=q and q.bits, delta=plan.delta))
+                               capacity=capacity, quantize_bits=plan.quantize and plan.quantize.bits,
+                               delta=plan.delta))
     if plan.nprocs == 1 or not name.startswith("ssar"):
         return cost
     n = max(size, 1)
@@ -46,9 +46,10 @@ def price(model: CostModel, plan: Plan, name: str, size: int, capacity: int, nnz
 
 
 def best(model: CostModel, plan: Plan, size: int, capacity: int, nnz: float) -> str:
-    """The cheapest candidate. With QSGD, no float32 dense allreduce: a caller who asks for b bits
-    gets them wherever the data goes dense (quantized DSAR), and exact pairs where it stays sparse."""
-    names = [name for name in CANDIDATES if not (plan.quantize and name == "dense")]
+    """The cheapest candidate. With QSGD, neither the float32 dense allreduce nor the ring (whose
+    segments fill in as float32 slices): a caller who asks for b bits gets them wherever the data
+    goes dense (quantized DSAR), and exact pairs where SSAR keeps it sparse."""
+    names = [name for name in CANDIDATES if not (plan.quantize and name in ("dense", "sparse_ring"))]
     costs = {name: price(model, plan, name, size, capacity, nnz) for name in names}
     return min(costs, key=costs.get)
 

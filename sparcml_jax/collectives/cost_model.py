@@ -163,7 +163,9 @@ class CostModel:
         per_rank = capacity if transport in STATIC_BUFFER_TRANSPORTS else nnz
         t = Pricing(self, size=size, nnz=per_rank, nprocs=nprocs, transport=transport, delta=delta)
         if nprocs > 1:
-            options = {"quantize": Quantization(quantize_bits)} if quantize_bits else {}
+            # QSGD codes DSAR's dense phases; the other algorithms send exact pairs.
+            coded = quantize_bits and algorithm == "dsar_split_allgather"
+            options = {"quantize": Quantization(quantize_bits)} if coded else {}
             t.result(definition(algorithm)(t, Estimate(size, capacity, 1), **options))
         return t
 
