@@ -18,6 +18,22 @@ def _coded(x: np.ndarray, key, bits: int, bucket: int, scale: str) -> np.ndarray
     return np.asarray(qsgd_dequantize_reference(q))
 
 
+def split_phase_error(rows: np.ndarray, rank: int, key, *, bits: int, bucket: int, scale: str = "max",
+                      coded: Callable[[int, int], bool] = lambda r, o: True) -> np.ndarray:
+    """What rank ``rank``'s split phase lost (``quantize_feedback``): over every range o it sent
+    coded, its segment minus the decoded codes (float32), zeros elsewhere."""
+    p, n = rows.shape
+    bounds = partition_bounds(n, p)
+    out = np.zeros(n, np.float32)
+    for o in range(p):
+        lo, hi = int(bounds[o]), int(bounds[o + 1])
+        if o != rank and coded(rank, o) and hi > lo:
+            segment = rows[rank, lo:hi].astype(np.float32)
+            words = key_words(jax.random.fold_in(key, rank))
+            out[lo:hi] = segment - _coded(segment, segment_key(words, o), bits, bucket, scale)
+    return out
+
+
 def quantized_dsar_reference(rows: np.ndarray, key, *, bits: int, bucket: int, scale: str = "max",
                              coded: Callable[[int, int], bool] = lambda r, o: True) -> np.ndarray:
     """The sum every rank holds after quantized DSAR over ``rows`` (one float32 row per rank).

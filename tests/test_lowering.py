@@ -196,6 +196,9 @@ def test_single_process_bad_stream_raises():
     with pytest.raises(ValueError, match="quantize_bits must be one of"):
         sparse_allreduce(stream(100, [1], capacity=4), algorithm="dsar_split_allgather", quantize_bits=3,
                          key=jax.random.key(0))
+    with pytest.raises(ValueError, match="quantize_feedback returns the error of QSGD's split phase: it needs "
+                                         "quantize_bits"):
+        sparse_allreduce(stream(100, [1], capacity=4), algorithm="dsar_split_allgather", quantize_feedback=True)
     good = stream(100, [1, 2], capacity=4)
     np.testing.assert_array_equal(np.asarray(sparse_allreduce(good, algorithm="ssar_recursive_doubling").to_dense()),
                                   np.asarray(good.to_dense()))

@@ -96,7 +96,8 @@ class Interpreter {
         // summed in its place there (the allgather then sends it from where it lies).
         bool in_place = next && next[0] == kAllgather && next[3] == dst && next[4] != kPairs &&
                         (next[1] == args_.result_register || next[1] == result_alias_);
-        ReduceScatter(dst, cap, w[3], w[4] != 0, in_place, Coding{static_cast<int>(w[5]), w[6], static_cast<int>(w[7])});
+        ReduceScatter(dst, cap, w[3], (w[4] & 1) != 0, in_place,
+                      Coding{static_cast<int>(w[5]), w[6], static_cast<int>(w[7])}, (w[4] >> 1) - 1);
         break;
       }
       case kAllgather:
@@ -409,6 +410,28 @@ class Interpreter {
     return out;
   }
 
+  // Over the whole vector: each coded range's values minus their decoded codes, zeros elsewhere.
+  Stream CodingError(const Stream& s, const std::vector<Range>& ranges, const std::vector<Bytes>& codes,
+                     Coding coding) {
+    Stream out;
+    out.capacity = s.n;
+    Writable w = Allocate(out, -1, s.n, 0, true);
+    std::memset(w.val, 0, s.n * sizeof(float));
+    int p = call_.nprocs();
+    for (int q = 0; q < p && !call_.failed(); ++q) {
+      if (codes[q].empty()) continue;
+      int64_t lo = PartStart(s.n, p, q), length = PartStart(s.n, p, q + 1) - lo;
+      int64_t nscales = sparcml_qsgd_num_buckets(length, coding.bucket);
+      char err[SPARCML_ERRLEN] = {0};
+      sparcml_qsgd_dequantize(reinterpret_cast<const uint8_t*>(codes[q].data() + 4 * nscales),
+                              reinterpret_cast<const float*>(codes[q].data()), length, coding.bits, coding.bucket,
+                              w.val + lo, err);
+      for (int64_t i = 0; i < length; ++i) w.val[lo + i] = ranges[q].val[i] - w.val[lo + i];
+    }
+    out.nnz = s.n;
+    return out;
+  }
+
   // A coded dense slice of `length` values, decoded into float32.
   Stream Decoded(int source, const Call::Message& m, int64_t length, Coding coding) {
     Bytes codes(m.h.coded);
@@ -430,7 +453,10 @@ class Interpreter {
 
   // With `coding` (DSAR's split phase, quantized), a segment that travels as a dense slice
   // travels as its QSGD codes instead; pairs stay exact, and so does this rank's own segment.
-  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice, bool in_result, Coding coding) {
+  // Register `error` (>= 0) then gets what the coding lost on this rank: the dense vector of
+  // segment - decoded codes over the ranges it sent coded, zeros elsewhere (error feedback).
+  void ReduceScatter(int64_t dst, int64_t cap, int64_t src, bool dense_slice, bool in_result, Coding coding,
+                     int64_t error) {
     const Stream s = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = s.n, lo = PartStart(n, p, me), length = PartStart(n, p, me + 1) - lo;
@@ -456,6 +482,7 @@ class Interpreter {
       segments[q] = m.h.coded > 0 && !call_.failed() ? Decoded(q, m, length, coding)
                                                        : Received(q, m, length, m.h.count, -1);
     }
+    if (error >= 0) Reg(error) = CodingError(s, ranges, codes, coding);
     call_.WaitSends();
     call_.MarkAgreed();  // every rank heard from every rank
     Stream out = Empty(length, cap);
@@ -908,7 +935,15 @@ ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::strin
       result.error = "another rank rejected its arguments (see its error)";
     }
   } else if (args.result_register >= 0) {
-    if (args.residual_register >= 0) result.residual = run.Reg(args.residual_register);
+    if (args.residual_register >= 0) {
+      result.residual = run.Reg(args.residual_register);
+      // A branch of a choice that computes no residual (an exact algorithm beside quantized DSAR)
+      // leaves it unwritten: nothing to feed back.
+      if (result.residual.n == 0) {
+        result.residual = Stream{};
+        result.residual.n = args.n;
+      }
+    }
     result.stream = run.Reg(args.result_register);
     int64_t count = result.stream.dense ? result.stream.n : result.stream.nnz;
     if (output.val && count > output.capacity) {

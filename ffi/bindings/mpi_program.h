@@ -17,8 +17,9 @@ namespace sparcml {
 // Instruction words: {op, dst, capacity, a, b, c, d, e}; keep in step with comm/native.py.
 enum Op : int64_t {
   kExchange = 1,       // a: send register, b: into register, c: dest, d: source, e: combine (1 add, 2 replace)
-  kReduceScatter = 2,  // a: source register, b: dense slice result, c: QSGD bits of dense segments (0: none),
-                       // d: bucket, e: scale kind
+  kReduceScatter = 2,  // a: source register, b: dense slice result (bit 0) and 1 + the register of this rank's
+                       // coding error (b >> 1; 0: none), c: QSGD bits of dense segments (0: none), d: bucket,
+                       // e: scale kind
   kAllgather = 3,      // a: part register, b: mode (0 pairs, 1 dense, 2 QSGD), c: bits, d: bucket, e: scale kind
   kAllreduce = 4,      // a: source register
   kSplit = 5,          // dst: first of nprocs registers, a: source register, b: 1 + operand of run-time region starts

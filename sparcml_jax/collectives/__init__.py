@@ -43,6 +43,7 @@ def sparse_allreduce(
     key: jax.Array | None = None,
     bucket_size: int = 1024,
     quantize_scale: str = "max",
+    quantize_feedback: bool = False,
     cost_model: CostModel | None = None,
     return_stats: bool = False,
 ):
@@ -70,10 +71,15 @@ def sparse_allreduce(
         to stay sparse. Needs ``key``.
       key: PRNG key for QSGD; pass a fresh one every step.
       bucket_size, quantize_scale: QSGD bucket length and scale kind (``"max"`` or ``"l2"``).
+      quantize_feedback: also return this rank's split-phase coding error, float32[size]: each
+        segment it sent as codes minus what the segment's owner decoded, zeros elsewhere (and
+        everywhere when the call chose an exact algorithm). Added to the next call's input it
+        is error feedback (EF-SGD); the allgather phase's error is shared by every rank and left
+        to QSGD's unbiasedness. Blocking calls only.
       cost_model: the model ``"auto"`` chooses with; by default the file named by
         ``SPARCML_JAX_COST_MODEL``, else measured once per communicator (a named algorithm
         never measures it).
-      return_stats: also return :class:`AllreduceStats`.
+      return_stats: also return :class:`AllreduceStats` (last).
 
     Example (under ``mpirun -n P``; one process returns its input):
       >>> import jax.numpy as jnp
@@ -97,24 +103,29 @@ def sparse_allreduce(
     """
     if axis_name is not None:
         quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
-                                             key=key, bucket_size=bucket_size, quantize_scale=quantize_scale)
+                                             key=key, bucket_size=bucket_size, quantize_scale=quantize_scale,
+                                             quantize_feedback=quantize_feedback)
         plan = on_axis.axis_plan(axis_name, comm, transport, delta, quantize)
         model = on_axis.cost_model_on_axis(cost_model, plan.nprocs) if algorithm == "auto" and plan.nprocs > 1 else None
-        result, stats = on_axis.allreduce(plan, algorithm, model, stream, key)
-        return (result, stats) if return_stats else result
+        return _returned(*on_axis.allreduce(plan, algorithm, model, stream, key), return_stats)
     comm = resolve_comm(comm)
     transport = "native" if transport is None else transport
     try:
         plan = check_allreduce(comm, stream, algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
-                               quantize_scale=quantize_scale)
+                               quantize_scale=quantize_scale, quantize_feedback=quantize_feedback)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
     fn = _compiled(plan, algorithm, model)
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
-    result, stats = call_and_recover(fn, stream, key)
-    return (result, stats) if return_stats else result
+    return _returned(*call_and_recover(fn, stream, key), return_stats)
+
+
+def _returned(result, stats, error, return_stats: bool):
+    """What a call returns: the result, the coding error with ``quantize_feedback``, the stats."""
+    out = (result,) + (() if error is None else (error,)) + ((stats,) if return_stats else ())
+    return out if len(out) > 1 else result
 
 
 def nonzeros_allreduce(
@@ -129,6 +140,7 @@ def nonzeros_allreduce(
     key: jax.Array | None = None,
     bucket_size: int = 1024,
     quantize_scale: str = "max",
+    quantize_feedback: bool = False,
     cost_model: CostModel | None = None,
     return_stats: bool = False,
 ):
@@ -152,24 +164,24 @@ def nonzeros_allreduce(
     """
     if axis_name is not None:
         x = check_vector(x, "x")
-        total, stats = sparse_allreduce(
+        total, *rest = sparse_allreduce(
             from_dense(x, delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm, transport=transport,
             delta=delta, quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
-            quantize_scale=quantize_scale, cost_model=cost_model, return_stats=True)
-        return (total.to_dense(), stats) if return_stats else total.to_dense()
+            quantize_scale=quantize_scale, quantize_feedback=quantize_feedback, cost_model=cost_model,
+            return_stats=True)
+        return _returned(total.to_dense(), rest[-1], rest[0] if quantize_feedback else None, return_stats)
     comm = resolve_comm(comm)
     transport = "native" if transport is None else transport
     try:
         x = check_vector(x, "x")
         plan = check_allreduce(comm, dense_stream(x), algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
-                               quantize_scale=quantize_scale)
+                               quantize_scale=quantize_scale, quantize_feedback=quantize_feedback)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
-    total, stats = call_and_recover(_compiled_on_nonzeros(plan, algorithm, model), x, key)
-    return (total, stats) if return_stats else total
+    return _returned(*call_and_recover(_compiled_on_nonzeros(plan, algorithm, model), x, key), return_stats)
 
 
 @functools.lru_cache(maxsize=256)
@@ -181,15 +193,13 @@ def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None):
         if plan.transport == "mpi4jax" and algorithm == "auto":
             (_, name), = _choices(plan, model, n, n)
         if plan.transport != "native" and name not in ENGINE_ALGORITHMS:  # static buffers: the stream of capacity n
-            total, stats = _compiled(plan, algorithm, model)(from_dense(x, delta=plan.delta), key)
-            return total.to_dense(), stats
+            total, stats, error = _compiled(plan, algorithm, model)(from_dense(x, delta=plan.delta), key)
+            return total.to_dense(), stats, error
         # The signature of from_dense(x)'s stream: the ranks run the same program on either.
         signature = allreduce_signature(plan, algorithm, n, n, model)
-        words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
         program = native_program(plan, name, model, n, n, nonzeros=True)
-        total, code, sent, dense_round = native.run(program, dense_stream(x), comm=plan.comm, signature=signature,
-                                                    delta=plan.delta, key_words=words)
-        return total.values, AllreduceStats(code, sent, total.nnz, dense_round)
+        total, stats, error = _run_natively(plan, program, dense_stream(x), signature, key)
+        return total.values, stats, error
 
     return run
 
@@ -227,7 +237,6 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
     def run(stream: SparseStream, key):
         dense = stream.dense_by_construction
         signature = allreduce_signature(plan, algorithm, stream.size, stream.capacity, model, dense)
-        words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
         name = algorithm
         if plan.transport == "mpi4jax" and algorithm == "auto":
             (_, name), = _choices(plan, model, stream.size, stream.capacity, dense)
@@ -235,16 +244,32 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
         # stream, else on the stream densified straight into the result, in place.
         if plan.transport == "native" or name in ENGINE_ALGORITHMS:
             program = native_program(plan, name, model, stream.size, stream.capacity, dense)
-            result, code, sent, dense_round = native.run(program, stream, comm=plan.comm, signature=signature,
-                                                         delta=plan.delta, key_words=words)
-            return result, AllreduceStats(code, sent, result.nnz, dense_round)
+            return _run_natively(plan, program, stream, signature, key)
         # Static buffers cannot carry an abort: the ranks agree first.
         t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, native.agree(stream, comm=plan.comm,
                                                                               signature=signature), key)
-        result = definition(name)(t, with_indices(stream), **plan.options(name))
-        return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
+        result = definition(name)(t, with_indices(stream), **plan.options(name))  # (SSAR: nothing coded)
+        stats = AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
+        return result, stats, _no_error(plan, stream.size)
 
     return run
+
+
+def _run_natively(plan: Plan, program: native.Program, stream: SparseStream, signature, key):
+    """(result, stats, this rank's coding error when the plan asks for it, else None)."""
+    words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
+    result, code, sent, dense_round, error = native.run_with_residual(program, stream, comm=plan.comm,
+                                                                      signature=signature, delta=plan.delta,
+                                                                      key_words=words)
+    if program.residual < 0:  # an exact algorithm: nothing lost
+        error = _no_error(plan, stream.size)
+    elif not (plan.quantize and plan.quantize.feedback):
+        error = None
+    return result, AllreduceStats(code, sent, result.nnz, dense_round), error
+
+
+def _no_error(plan: Plan, size: int) -> jax.Array | None:
+    return jnp.zeros((size,), jnp.float32) if plan.quantize and plan.quantize.feedback else None
 
 
 def sparse_allgather(stream: SparseStream, *, comm: MPI.Comm | None = None, axis_name: Hashable | None = None,

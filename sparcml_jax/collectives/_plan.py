@@ -31,11 +31,13 @@ def definition(name: str) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """QSGD on the wire of a dense phase: ``bits`` per value, one ``scale`` per bucket of values."""
+    """QSGD on the wire of the dense phases: ``bits`` per value, one ``scale`` per bucket of
+    values; with ``feedback`` the call also returns what the split phase's coding lost on this rank."""
 
     bits: int
     bucket_size: int = 1024
     scale: str = "max"
+    feedback: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,10 @@ class Plan:
         return self.axis_size if self.axis_name is not None else self.comm.Get_size()
 
     def options(self, algorithm: str) -> dict:
-        """Keyword arguments of the algorithm's definition (QSGD for DSAR's dense phase)."""
-        return {"quantize": self.quantize} if algorithm == "dsar_split_allgather" and self.quantize else {}
+        """Keyword arguments of the algorithm's definition (QSGD for DSAR's dense phases)."""
+        if algorithm != "dsar_split_allgather" or not self.quantize:
+            return {}
+        return {"quantize": self.quantize, "feedback": True} if self.quantize.feedback else {"quantize": self.quantize}
 
 
 class AllreduceStats(NamedTuple):

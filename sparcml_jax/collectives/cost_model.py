@@ -384,7 +384,8 @@ class Pricing:
             out = dataclasses.replace(target, fan_in=sent.fan_in)
         return [out if j == into % p else seg for j, seg in enumerate(segments)]
 
-    def reduce_scatter(self, s: Estimate, *, dense: bool = False, quantize: Quantize | None = None) -> Estimate:
+    def reduce_scatter(self, s: Estimate, *, dense: bool = False, quantize: Quantize | None = None,
+                       feedback: bool = False) -> Estimate | tuple[Estimate, Estimate]:
         m, p, n = self.model, self.nprocs, s.size
         length = longest_part(n, p)
         # Every segment travels at its whole slot (static buffers), or range r of the stream goes to
@@ -413,7 +414,12 @@ class Pricing:
             # pairs are visited (P + 1) / 2 times on average.
             self._seconds += sends + (p + 1) / 2 * self.count(s) * m.pair_cost
         capacity = length if dense else max(part_capacity(s.capacity, n, p, r, self.delta) for r in range(p))
-        return Estimate(length, capacity, p, dense_values=dense, source_capacity=s.capacity)
+        part = Estimate(length, capacity, p, dense_values=dense, source_capacity=s.capacity)
+        if not feedback:
+            return part
+        # The error: a zeroed length-N vector, and this rank's codes decoded and subtracted.
+        self._seconds += (1 + 3 * (p - 1) / p) * n * m.element_cost
+        return part, Estimate(n, n, 1, dense_values=True)
 
     def allgather(self, part: Estimate, *, dense: bool = False, quantize: Quantize | None = None,
                   width: int | None = None) -> Estimate:

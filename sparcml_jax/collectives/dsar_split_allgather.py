@@ -15,6 +15,12 @@ from __future__ import annotations
 from sparcml_jax.comm import Quantize, S, Transport
 
 
-def dsar_split_allgather(t: Transport[S], s: S, quantize: Quantize | None = None) -> S:
-    mine = t.reduce_scatter(s, dense=True, quantize=quantize)  # rank r: the dense sum of range r
-    return t.allgather(mine, dense=True, quantize=quantize)
+def dsar_split_allgather(t: Transport[S], s: S, quantize: Quantize | None = None,
+                         feedback: bool = False) -> S | tuple[S, S]:
+    """The sum; with ``feedback`` also what the split phase's coding lost on this rank, for error
+    feedback (the allgather's error is the same on every rank: left to QSGD's unbiasedness)."""
+    if not feedback:
+        mine = t.reduce_scatter(s, dense=True, quantize=quantize)  # rank r: the dense sum of range r
+        return t.allgather(mine, dense=True, quantize=quantize)
+    mine, error = t.reduce_scatter(s, dense=True, quantize=quantize, feedback=True)
+    return t.allgather(mine, dense=True, quantize=quantize), error

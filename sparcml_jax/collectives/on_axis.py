@@ -88,11 +88,17 @@ def choose(plan: Plan, algorithm: str, model: CostModel | None, size: int, capac
 
 
 def allreduce(plan: Plan, algorithm: str, model: CostModel | None, stream: SparseStream,
-              key: jax.Array | None) -> tuple[SparseStream, AllreduceStats]:
+              key: jax.Array | None) -> tuple[SparseStream, AllreduceStats, jax.Array | None]:
+    """(The sum, its stats, this device's coding error when the plan asks for it, else None.)"""
     name = choose(plan, algorithm, model, stream.size, stream.capacity, stream.dense_by_construction)
     t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name), key)
-    result = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
-    return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
+    out = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
+    result, error = out if isinstance(out, tuple) else (out, None)
+    if error is not None:
+        error = error.to_dense()
+    elif plan.quantize and plan.quantize.feedback:  # an exact algorithm: nothing lost
+        error = jnp.zeros((stream.size,), jnp.float32)
+    return result, AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round), error
 
 
 def allgather(plan: Plan, stream: SparseStream) -> tuple[SparseStream, AllreduceStats]:

@@ -25,21 +25,28 @@ from sparcml_jax.stream import SparseStream, dense_threshold
 
 
 def check_allreduce(comm: MPI.Comm, stream: Any, *, algorithm: str, transport: str, delta: float,
-                    quantize_bits: int | None, key: Any, bucket_size: int, quantize_scale: str) -> Plan:
+                    quantize_bits: int | None, key: Any, bucket_size: int, quantize_scale: str,
+                    quantize_feedback: bool = False) -> Plan:
     """The plan of a valid call; raises TypeError or ValueError naming the argument otherwise."""
     check_transport(transport)
     quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
-                                         key=key, bucket_size=bucket_size, quantize_scale=quantize_scale)
+                                         key=key, bucket_size=bucket_size, quantize_scale=quantize_scale,
+                                         quantize_feedback=quantize_feedback)
     return Plan(comm, transport, float(delta), quantize)
 
 
 def check_allreduce_arguments(stream: Any, *, algorithm: str, delta: float, quantize_bits: int | None, key: Any,
-                              bucket_size: int, quantize_scale: str) -> Quantization | None:
+                              bucket_size: int, quantize_scale: str,
+                              quantize_feedback: bool = False) -> Quantization | None:
     """The QSGD settings of a valid call (on any transport); raises naming the argument otherwise."""
     check_stream(stream, "stream")
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
     dense_threshold(1, delta)  # raises for a delta that is not positive
+    if not isinstance(quantize_feedback, bool):
+        raise TypeError(f"quantize_feedback must be a bool, got {quantize_feedback!r}")
+    if quantize_feedback and quantize_bits is None:
+        raise ValueError("quantize_feedback returns the error of QSGD's split phase: it needs quantize_bits")
     quantize = None
     if quantize_bits is not None:
         if quantize_bits not in QUANTIZE_BITS:
@@ -53,7 +60,7 @@ def check_allreduce_arguments(stream: Any, *, algorithm: str, delta: float, quan
             raise ValueError(f"bucket_size must be a positive int (values per QSGD scale), got {bucket_size!r}")
         if quantize_scale not in QUANTIZE_SCALES:
             raise ValueError(f"quantize_scale must be one of {QUANTIZE_SCALES}, got {quantize_scale!r}")
-        quantize = Quantization(int(quantize_bits), int(bucket_size), quantize_scale)
+        quantize = Quantization(int(quantize_bits), int(bucket_size), quantize_scale, quantize_feedback)
     return quantize
 
 

@@ -61,13 +61,16 @@ class Transport(Protocol[S]):
         """Rank r sends ``segments[(r + send) % P]`` to rank r + 1 and combines what rank r - 1
         sends into ``segments[(r + into) % P]`` (so ``send == into + 1``)."""
 
-    def reduce_scatter(self, s: S, *, dense: bool = False, quantize: Quantize | None = None) -> S:
+    def reduce_scatter(self, s: S, *, dense: bool = False, quantize: Quantize | None = None,
+                       feedback: bool = False) -> S | tuple[S, S]:
         """Rank r gets the sum of range r of every rank's stream (indices local to the range): a
         stream, or with ``dense`` the range's dense values. With ``dense`` and ``quantize``, a segment that
         travels as dense values travels as their QSGD codes (the receiver decodes them and sums in
         float32); pairs and a rank's own segment stay exact. Transports of whole static buffers
         code every segment whose buffer could hold its range dense, whatever its count at run
-        time (a message of fixed size cannot shrink to the codes only when it fills)."""
+        time (a message of fixed size cannot shrink to the codes only when it fills). With
+        ``feedback``, also this rank's coding error: a dense stream over the whole vector of
+        each coded segment's values minus what its owner decodes, zeros elsewhere."""
 
     def allgather(self, part: S, *, dense: bool = False, quantize: Quantize | None = None,
                   width: int | None = None) -> S:

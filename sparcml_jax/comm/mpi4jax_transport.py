@@ -125,13 +125,17 @@ class Mpi4jaxTransport(StaticBuffers):
 
     # --------------------------------------------------------------------------- collectives
 
-    def reduce_scatter(self, s: SparseStream, *, dense: bool = False, quantize: Quantize | None = None) -> Part:
+    def reduce_scatter(self, s: SparseStream, *, dense: bool = False, quantize: Quantize | None = None,
+                       feedback: bool = False) -> Part | tuple[Part, SparseStream]:
         p, r = self.nprocs, self.rank
         if dense and quantize is not None and codes_segments(s.capacity, s.size, p):
-            total, sent = self._coded_reduce_scatter(
+            total, sent, error = self._coded_reduce_scatter(
                 s, quantize, lambda rows: mpi4jax.alltoall(rows, comm=self.comm) if p > 1 else rows, r)
             self._after(True, jnp.bool_(True), sent)
-            return Part(None, total[:part_length(s.size, p, r)], s.capacity)
+            part = Part(None, total[:part_length(s.size, p, r)], s.capacity)
+            return (part, dense_stream(error)) if feedback else part
+        if feedback:  # nothing was coded: nothing lost
+            return self.reduce_scatter(s, dense=dense), dense_stream(jnp.zeros((s.size,), VALUE_DTYPE))
         slot = segment_slot(s.capacity, s.size, p)
         sendbuf = self._segments(s, slot)
         received = mpi4jax.alltoall(sendbuf, comm=self.comm) if p > 1 else sendbuf

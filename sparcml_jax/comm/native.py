@@ -142,13 +142,16 @@ class Recorder:
                   COMBINE[combine])
         return [out if j == into_index else seg for j, seg in enumerate(segments)]
 
-    def reduce_scatter(self, s: Register, *, dense: bool = False, quantize: Quantize | None = None) -> Register:
+    def reduce_scatter(self, s: Register, *, dense: bool = False, quantize: Quantize | None = None,
+                       feedback: bool = False) -> Register | tuple[Register, Register]:
         length = part_length(s.size, self.nprocs, self.rank)
         capacity = length if dense else part_capacity(s.capacity, s.size, self.nprocs, self.rank, self.delta)
         out = self._new(length, capacity, source_capacity=s.capacity)
+        error = self._new(s.size, s.size, dense=True) if feedback else None
         coding = (0, 0, 0) if quantize is None else (quantize.bits, quantize.bucket_size, SCALES[quantize.scale])
-        self.emit(REDUCE_SCATTER, out.id, capacity, s.id, int(dense), *coding)
-        return out
+        self.emit(REDUCE_SCATTER, out.id, capacity, s.id, int(dense) | (0 if error is None else error.id + 1) << 1,
+                  *coding)
+        return out if error is None else (out, error)
 
     def allgather(self, part: Register, *, dense: bool = False, quantize: Quantize | None = None,
                   width: int | None = None) -> Register:
@@ -280,17 +283,23 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
         if nonzeros and code != 0:
             sub.emit(NONZEROS, 0, capacity, 0, COMPACT_COUNTED)
         out = algorithm(sub, Register(0, size, capacity), **options)
-        branches.append((bound, code, sub, out))
-    dense = nonzeros or all(out.dense for *_, out in branches)
-    width = size if nonzeros else max(out.capacity for *_, out in branches)
+        out, residual = out if isinstance(out, tuple) else (out, None)
+        branches.append((bound, code, sub, out, residual))
+    dense = nonzeros or all(out.dense for *_, out, _ in branches)
+    width = size if nonzeros else max(out.capacity for *_, out, _ in branches)
     result = Register(counter[0], size, width, dense=dense)
+    # A branch without a residual (an exact algorithm beside quantized DSAR) leaves it zero.
+    residual = Register(counter[0] + 1, size, size, dense=True) if any(b[-1] for b in branches) else None
     rec.emit(CHOOSE, 0, 0, len(branches))
-    for bound, code, sub, out in branches:
-        sub.emit(MOVE, result.id, result.capacity, out.id)
+    for bound, code, sub, out, own in branches:
+        if own is not None:
+            sub.emit(MOVE, residual.id, residual.capacity, own.id)
+        sub.emit(MOVE, result.id, result.capacity, out.id)  # last: the engine writes it in place
         rec.code += [bound, code, len(sub.code) // WORDS, 0, 0, 0, 0, 0]
-    for *_, sub, _ in branches:
+    for _, _, sub, _, _ in branches:
         rec.code += sub.code
-    return Program(tuple(rec.code), result.id, size, result.capacity, -1, dense=dense)
+    return Program(tuple(rec.code), result.id, size, result.capacity, -1, -1 if residual is None else residual.id,
+                   dense=dense)
 
 
 def on_nonzeros(program: Program) -> Program:
@@ -376,6 +385,12 @@ def run(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signatu
     largest nnz over ranks and its buffers are empty."""
     result, algorithm, sent, dense_round, _ = _bind_run(program, s, comm, signature, delta, key_words, rejected)
     return result, algorithm, sent, dense_round
+
+
+def run_with_residual(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
+                      key_words: jax.Array | None = None):
+    """:func:`run`, and the program's dense residual (empty when it has none) last."""
+    return _bind_run(program, s, comm, signature, delta, key_words, False)
 
 
 def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,

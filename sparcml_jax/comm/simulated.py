@@ -174,7 +174,14 @@ class Simulated:
                             else dataclasses.replace(sent, capacity=kept.capacity))
         return out
 
-    def reduce_scatter(self, s: Ranks, *, dense: bool = False, quantize: Quantize | None = None) -> Ranks:
+    def reduce_scatter(self, s: Ranks, *, dense: bool = False, quantize: Quantize | None = None,
+                       feedback: bool = False) -> Ranks | tuple[Ranks, Ranks]:
+        parts = self._reduce_scatter(s, dense, quantize)
+        if not feedback:
+            return parts
+        return parts, [SimStream(self.size, self.size, None, np.zeros(self.size, np.float32)) for _ in s]
+
+    def _reduce_scatter(self, s: Ranks, dense: bool, quantize: Quantize | None) -> Ranks:
         n, p = self.size, self.nprocs
         capacity = s[0].capacity
         coded = dense and quantize is not None and (self.wire == "native" or codes_segments(capacity, n, p))

@@ -128,10 +128,11 @@ class StaticBuffers:
             rows.append(pack(jnp.where(valid, idx, part_length(s.size, parts, r)), jnp.where(valid, val, 0.0), count))
         return jnp.stack(rows)
 
-    def _coded_reduce_scatter(self, s: SparseStream, q, all_to_all, rank) -> tuple[jax.Array, int]:
-        """(The dense sum of range ``rank``, zero-padded to the longest range; bytes sent.) Every
-        segment travels as its QSGD codes except this rank's own, and the sum is float32 in rank
-        order, as the native engine's. ``all_to_all`` exchanges rows [P, ...] (row r to rank r)."""
+    def _coded_reduce_scatter(self, s: SparseStream, q, all_to_all, rank) -> tuple[jax.Array, int, jax.Array]:
+        """(The dense sum of range ``rank``, zero-padded to the longest range; bytes sent; this
+        rank's coding error over the whole vector.) Every segment travels as its QSGD codes except
+        this rank's own, and the sum is float32 in rank order, as the native engine's.
+        ``all_to_all`` exchanges rows [P, ...] (row r to rank r)."""
         from sparcml_jax.kernels.qsgd import QuantizedVector, key_words, qsgd_dequantize, qsgd_quantize, segment_key
 
         p, n = self.nprocs, s.size
@@ -150,7 +151,9 @@ class StaticBuffers:
             decoded = qsgd_dequantize(QuantizedVector(packed[source], scales[source], longest, q.bits, q.bucket_size,
                                                       q.scale))
             total = total + jnp.where(source == rank, own, decoded)
-        return total, (coded[0].data.size + 4 * coded[0].scales.size) * (p - 1)
+        lost = [jnp.where(r == rank, 0.0, slices[r] - qsgd_dequantize(c))[:hi - lo]
+                for r, (c, (lo, hi)) in enumerate(zip(coded, (part_bounds(n, p, r) for r in range(p))))]
+        return total, (coded[0].data.size + 4 * coded[0].scales.size) * (p - 1), jnp.concatenate(lost)
 
     def split(self, s: SparseStream, *, fan_in: int = 1, parts: int | None = None) -> list[SparseStream]:
         p = self.nprocs if parts is None else parts

@@ -174,13 +174,16 @@ class XlaTransport(StaticBuffers):
 
     # --------------------------------------------------------------------------- collectives
 
-    def reduce_scatter(self, s: SparseStream, *, dense: bool = False, quantize: Quantize | None = None) -> Part:
+    def reduce_scatter(self, s: SparseStream, *, dense: bool = False, quantize: Quantize | None = None,
+                       feedback: bool = False) -> Part | tuple[Part, SparseStream]:
         p = self.nprocs
         if dense and quantize is not None and codes_segments(s.capacity, s.size, p):
-            total, sent = self._coded_reduce_scatter(
+            total, sent, error = self._coded_reduce_scatter(
                 s, quantize, lambda rows: jax.lax.all_to_all(rows, self.axis, 0, 0) if p > 1 else rows, self.rank)
             self._after(jnp.bool_(True), jnp.bool_(True), sent)
-            return Part(None, total, s.capacity)
+            return (Part(None, total, s.capacity), dense_stream(error)) if feedback else Part(None, total, s.capacity)
+        if feedback:  # nothing was coded: nothing lost
+            return self.reduce_scatter(s, dense=dense), dense_stream(jnp.zeros((s.size,), VALUE_DTYPE))
         slot = segment_slot(s.capacity, s.size, p)
         sendbuf = self._segments(self._checked(s), slot)
         received = jax.lax.all_to_all(sendbuf, self.axis, 0, 0) if p > 1 else sendbuf

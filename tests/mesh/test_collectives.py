@@ -22,7 +22,7 @@ from _util import AXIS, CASES, MODEL, accumulators, identical_on_every_device, i
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from global_topk_reference import (gtopk_reference, initial_oktopk_state, oktopk_step_reference,  # noqa: E402
                                    spardl_reference)
-from quantized_dsar_reference import quantized_dsar_reference  # noqa: E402
+from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
 
 SIZES = range(1, 9)
 
@@ -102,12 +102,20 @@ def test_quantized_dsar_equals_its_reference(p, bits):
     sparse = integer_rows(p, n, 0.01, seed=12)
     key = jax.random.key(21)
     for data, capacity in ((rows, n), (sparse, 16)):
-        out = on_mesh(p, lambda x, k: sj.sparse_allreduce(
-            sj.from_dense(x, capacity=capacity), axis_name=AXIS, algorithm="dsar_split_allgather", quantize_bits=bits,
-            key=k, bucket_size=bucket).to_dense(), data, shared=(key,))
+        def reduce(x, k, capacity=capacity):
+            total, error = sj.sparse_allreduce(sj.from_dense(x, capacity=capacity), axis_name=AXIS,
+                                               algorithm="dsar_split_allgather", quantize_bits=bits, key=k,
+                                               bucket_size=bucket, quantize_feedback=True)
+            return total.to_dense(), error
+
+        out, errors = on_mesh(p, reduce, data, shared=(key,))
         assert identical_on_every_device(out)
-        want = quantized_dsar_reference(data, key, bits=bits, bucket=bucket, coded=lambda r, o: capacity == n)
+        coded = lambda r, o, capacity=capacity: capacity == n  # noqa: E731
+        want = quantized_dsar_reference(data, key, bits=bits, bucket=bucket, coded=coded)
         np.testing.assert_array_equal(out[0].view(np.uint32), want.view(np.uint32))
+        for d in range(p):  # what each device's split phase lost
+            lost = split_phase_error(data.astype(np.float32), d, key, bits=bits, bucket=bucket, coded=coded)
+            np.testing.assert_array_equal(errors[d].view(np.uint32), lost.view(np.uint32))
 
 
 @pytest.mark.parametrize("p", (1, 3, 8))

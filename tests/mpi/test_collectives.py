@@ -46,7 +46,7 @@ from sparcml_jax.collectives.auto import best, choice_table
 from sparcml_jax.collectives.cost_model import CostModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
-from quantized_dsar_reference import quantized_dsar_reference  # noqa: E402
+from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
 
 
 DENSITIES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0)
@@ -455,6 +455,75 @@ def test_quantized_dsar_equals_its_reference(transport, quantize_bits):
         except Exception as e:  # noqa: BLE001
             failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
     agree_all(failures, f"quantized DSAR against its reference, {quantize_bits} bits / {transport}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_quantize_feedback_returns_what_the_split_phase_lost(transport):
+    """quantize_feedback: this rank's error is its coded segments minus what their owners
+    decoded, bit for bit as specified, zeros where segments went as exact pairs; and the books
+    balance: the result plus every rank's error is the exact sum, to the allgather's coding
+    (every rank decodes the same bytes there, so that error is shared and left unbiased)."""
+    failures = []
+    cases = [inputs("full", 1.0, "random"), inputs("full", 0.5, "unequal"), inputs("full", 0.01, "random"),
+             ramp_inputs()]
+    for step, inp in enumerate(cases):
+        label = f"feedback/{transport} {inp}"
+        key = jax.random.fold_in(jax.random.key(41), step)
+        n = inp.size
+
+        def coded(r, o, inp=inp):
+            lo, hi = part_bounds(n, NPROCS, o)
+            return np.count_nonzero(inp.rows[r, lo:hi]) >= dense_threshold(hi - lo)
+
+        try:
+            out, error, stats = sparse_allreduce(inp.stream, algorithm="dsar_split_allgather", transport=transport,
+                                                 quantize_bits=4, key=key, bucket_size=QUANT_BUCKET,
+                                                 quantize_feedback=True, return_stats=True)
+            got, error = np.asarray(out.to_dense()), np.asarray(error)
+            want = split_phase_error(inp.rows, RANK, key, bits=4, bucket=QUANT_BUCKET, coded=coded)
+            if not np.array_equal(bits(error), bits(want)):
+                failures.append(f"{label}: {np.count_nonzero(bits(error) != bits(want))} error entries differ from "
+                                "the reference")
+            if not np.array_equal(bits(got), bits(quantized_dsar_reference(inp.rows, key, bits=4, bucket=QUANT_BUCKET,
+                                                                           coded=coded))):
+                failures.append(f"{label}: the result changed with quantize_feedback")
+            errors = np.stack(COMM.allgather(error)).astype(np.float64)
+            books = got + errors.sum(axis=0) - inp.total.astype(np.float64)
+            L = 7
+            bound = np.zeros(n)
+            for o in range(NPROCS):  # the allgather's coding: at most its bucket's scale / L per entry
+                lo, hi = part_bounds(n, NPROCS, o)
+                for b in range(lo, hi, QUANT_BUCKET):
+                    e = min(b + QUANT_BUCKET, hi)
+                    bound[b:e] = np.abs(inp.total[b:e] - errors.sum(axis=0)[b:e]).max(initial=0.0) / L
+            if np.any(np.abs(books) > bound * (1 + 1e-4) + 1e-4):
+                failures.append(f"{label}: result + errors - sum exceeds the allgather's coding bound by "
+                                f"{np.max(np.abs(books) - bound)}")
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+    agree_all(failures, f"quantize_feedback / {transport}")
+
+
+def test_quantize_feedback_with_auto_is_zero_where_nothing_was_coded():
+    """auto's run-time choice between exact SSAR and quantized DSAR: the error comes back either
+    way, zeros when the chosen algorithm coded nothing."""
+    failures = []
+    for density in (1e-3, 1.0):
+        inp = inputs("full", density, "random")
+        label = f"auto feedback d={density}"
+        try:
+            out, error, stats = sparse_allreduce(inp.stream, algorithm="auto", quantize_bits=4, key=jax.random.key(2),
+                                                 bucket_size=QUANT_BUCKET, quantize_feedback=True, return_stats=True)
+            chosen = ALGORITHMS[int(stats.algorithm)]
+            if chosen != "dsar_split_allgather" and (np.any(np.asarray(error) != 0)
+                                                     or not np.array_equal(bits(np.asarray(out.to_dense())),
+                                                                           bits(inp.total))):
+                failures.append(f"{label}: {chosen} must be exact with a zero error")
+            if chosen == "dsar_split_allgather" and NPROCS > 1 and not np.any(np.asarray(error) != 0):
+                failures.append(f"{label}: quantized DSAR on dense data lost nothing?")
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+    agree_all(failures, "quantize_feedback with auto")
 
 
 def test_quantized_dsar_on_static_buffers_equals_its_reference():
