@@ -116,11 +116,13 @@ class ErrorFeedbackState(NamedTuple):
 
 class ReduceState(NamedTuple):
     """:func:`reduce_streams`'s step count, PRNG key data (for QSGD: without it the key stays as
-    seeded) and the last update's stats."""
+    seeded), the last update's stats and, with ``quantize_feedback``, what QSGD's split phase
+    lost on this rank per fused buffer (float32, added to the next update's buffers)."""
 
     count: jax.Array
     key: jax.Array
     stats: GradientStats
+    quantization_error: tuple = ()
 
 
 def is_stream(x: Any) -> bool:
@@ -244,7 +246,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                    axis_name: Hashable | None = None, average: bool = True, quantize_bits: int | None = None, delta: float = 1.0,
                    bucket_size: int = 1024, quantize_scale: str = "max", cost_model: CostModel | None = None,
                    capacity: int | None = None, warmup_steps: int | jax.Array = 0, nonblocking: bool = False,
-                   seed: int = 0) -> optax.GradientTransformation:
+                   seed: int = 0, quantize_feedback: bool = False) -> optax.GradientTransformation:
     """Sums (or averages) the updates of every rank of ``comm`` (SparCML §4, §6, §7).
 
     Stream leaves are summed by :func:`sparcml_jax.sparse_allreduce` (``algorithm``,
@@ -262,7 +264,14 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
       comm: mpi4py communicator; ``None`` is mpi4jax's default (a clone of COMM_WORLD).
       axis_name: instead of ``comm``: sum over this mesh axis, inside ``jax.shard_map``.
       average: divide the sum by the number of ranks.
-      quantize_bits: QSGD bits (2, 4, 8) on DSAR's dense allgather phase.
+      quantize_bits: QSGD bits (2, 4, 8) wherever DSAR's phases carry dense values (see
+        :func:`sparcml_jax.sparse_allreduce`).
+      quantize_feedback: error feedback for QSGD's split phase (EF-SGD): each dense fused
+        buffer travels as ``x + e``, and ``e`` becomes what the split phase's coding lost on
+        this rank (:func:`sparcml_jax.sparse_allreduce`'s ``quantize_feedback``), kept in the
+        state's ``quantization_error``. Its ``init`` takes the packed parameters
+        (:class:`~sparcml_jax.transform.LeafGroups`) to size it. The allgather phase's error is
+        the same on every rank and left to QSGD's unbiasedness.
       capacity: a bound on the nonzeros of a rank's dense fused buffer (see above).
       warmup_steps: steps during which dense fused buffers travel dense; the stats then report
         algorithm -1 (pair with :func:`sparsify`'s ``warmup_steps``).
@@ -284,6 +293,9 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         raise ValueError(f"quantize_bits must be 2, 4, 8 or None, got {quantize_bits!r}")
     if quantize_bits is not None and algorithm not in ("auto", "dsar_split_allgather"):
         raise ValueError(f"quantize_bits needs algorithm 'auto' or 'dsar_split_allgather', got {algorithm!r}")
+    if quantize_feedback and (quantize_bits is None or nonblocking):
+        raise ValueError("quantize_feedback feeds back QSGD's split-phase error: it needs quantize_bits and a "
+                         f"blocking reduction (got quantize_bits={quantize_bits!r}, nonblocking={nonblocking!r})")
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be 'auto' or one of {ALGORITHMS}, got {algorithm!r}")
     check_group(comm, axis_name, transport)
@@ -298,9 +310,14 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                       quantize_scale=quantize_scale, cost_model=cost_model)
 
     def init_fn(params):
-        del params
         stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
-        return ReduceState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)), stats)
+        errors = ()
+        if quantize_feedback:
+            if not hasattr(params, "parts"):
+                raise TypeError("reduce_streams(quantize_feedback=True).init takes the packed parameters (LeafGroups, "
+                                "as fuse_leaves(...).update(params, ...) makes them), to size the error of each buffer")
+            errors = tuple(jnp.zeros((x.shape[0],), VALUE_DTYPE) for x in params.fused)
+        return ReduceState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)), stats, errors)
 
     def update_fn(updates, state, params=None):
         del params
@@ -314,23 +331,32 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             key, keys = jax.random.key_data(key), [jax.random.fold_in(step_key, g) for g in range(len(fused))]
         warming = warming_up(state.count, warmup_steps)
         reduced_dense = dense_sum(dense, group, average)
+        if quantize_feedback:
+            if any(is_stream(x) for x in fused):
+                raise TypeError("quantize_feedback adds QSGD's split-phase error to dense buffers; these were "
+                                "sparsified (top-k segments travel as exact pairs: leave quantize_feedback off)")
+            fused = [x + e for x, e in zip(fused, state.quantization_error)]
         pending = [_prepare(x, warming, capacity, group, nonblocking) for x in fused]
         on_group = dict(collective, transport=group.transport(transport))
-        options = [dict(on_group, quantize_bits=quantize_bits, key=k) for k in keys] + \
-            [dict(on_group, quantize_bits=None)] * len(given)
+        options = [dict(on_group, quantize_bits=quantize_bits, key=k, quantize_feedback=quantize_feedback)
+                   for k in keys] + [dict(on_group, quantize_bits=None)] * len(given)
         streams = [stream for stream, _ in pending] + list(given)
         send_dense = [dense_when for _, dense_when in pending] + [None] * len(given)
         vectors = list(fused) + [None] * len(given)
         if nonblocking:
-            handles = [sparse_allreduce_start(s, comm=group.comm, **{n: v for n, v in o.items() if n != "transport"})
+            blocking_only = ("transport", "quantize_feedback")
+            handles = [sparse_allreduce_start(s, comm=group.comm, **{n: v for n, v in o.items() if n not in blocking_only})
                        for s, o in zip(streams, options)]
             results = [(*sparse_allreduce_wait(h, return_stats=True), None) for h in handles]
+            errors = ()
         else:
-            results = [_reduce_one(s, v, when, group, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
+            reduced = [_reduce_one(s, v, when, group, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
+            results = [r[:3] for r in reduced]
+            errors = tuple(r[3] for r in reduced[:len(fused)]) if quantize_feedback else ()
         out = [_averaged(r, nprocs, average) for r, _, _ in results]
         sizes = [x.size if is_stream(x) else x.shape[0] for x in fused] + [s.size for s in given]
         stats = _stats(sizes, results, len(fused), warming)
-        new_state = ReduceState(state.count + 1, key, stats)
+        new_state = ReduceState(state.count + 1, key, stats, errors)
         rebuilt = updates.replace_parts(reduced_dense, out[:len(fused)], out[len(fused):]) \
             if hasattr(updates, "parts") else _replace_parts(updates, reduced_dense, out)
         return rebuilt, new_state
@@ -391,24 +417,33 @@ def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Gro
 
 
 def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.Array | None, group: Group,
-                options: dict) -> tuple[Any, Any, jax.Array | None]:
-    """(sum, its AllreduceStats, whether it went dense); with ``send_dense`` the sum is dense."""
+                options: dict) -> tuple[Any, Any, jax.Array | None, jax.Array | None]:
+    """(sum, its AllreduceStats, whether it went dense, the split phase's coding error with
+    ``quantize_feedback`` else None); with ``send_dense`` the sum is dense."""
+    feedback = options.get("quantize_feedback", False)
+
+    def with_error(out):  # (sum, [error,] stats) -> (sum, stats, error)
+        return (out[0], out[-1], out[1] if feedback else None)
+
     if stream is None:
-        return (*nonzeros_allreduce(vector, **group.where, return_stats=True, **options), None)
+        total, stats, error = with_error(nonzeros_allreduce(vector, **group.where, return_stats=True, **options))
+        return total, stats, None, error
     if send_dense is None:
-        return (*sparse_allreduce(stream, **group.where, return_stats=True, **options), None)
+        total, stats, error = with_error(sparse_allreduce(stream, **group.where, return_stats=True, **options))
+        return total, stats, None, error
     nprocs, n = group.size, vector.shape[0]
 
     def dense_path():
         sent = jnp.float32(2 * (nprocs - 1) / nprocs * 4 * n)
-        return dense_allreduce(vector, **group.where), jnp.float32(n), sent, jnp.int32(SENT_DENSE)
+        error = jnp.zeros((n,), VALUE_DTYPE) if feedback else None  # (float32: nothing lost)
+        return dense_allreduce(vector, **group.where), jnp.float32(n), sent, jnp.int32(SENT_DENSE), error
 
     def sparse_path():
-        reduced, stats = sparse_allreduce(stream, **group.where, return_stats=True, **options)
-        return reduced.to_dense(), stats.result_nnz.astype(jnp.float32), stats.bytes_sent, stats.algorithm
+        reduced, stats, error = with_error(sparse_allreduce(stream, **group.where, return_stats=True, **options))
+        return reduced.to_dense(), stats.result_nnz.astype(jnp.float32), stats.bytes_sent, stats.algorithm, error
 
-    total, nnz, sent, code = group.cond(send_dense, dense_path, sparse_path)
-    return total, _Counted(nnz, sent, code), send_dense
+    total, nnz, sent, code, error = group.cond(send_dense, dense_path, sparse_path)
+    return total, _Counted(nnz, sent, code), send_dense, error
 
 
 class _Counted(NamedTuple):

@@ -204,6 +204,7 @@ def allreduce_gradients(
     sparsifier: str | Sparsifier = "topk",
     error_feedback: bool = True,
     quantize_bits: int | None = None,
+    quantize_feedback: bool = False,
     algorithm: str = "auto",
     transport: str | None = None,
     comm: MPI.Comm | None = None,
@@ -243,7 +244,16 @@ def allreduce_gradients(
       sparsifier: ``"topk"``, ``"randomk"``, ``sparcml_jax.sparsifiers.threshold(tau)`` or any
         callable ``(v, k, key) -> SparseStream``.
       error_feedback: keep what was not sent and add it to the next gradient.
-      quantize_bits: QSGD bits (2, 4, 8) on DSAR's dense allgather phase.
+      quantize_bits: QSGD bits (2, 4, 8) wherever the sum travels dense: DSAR's split-phase
+        segments that turned dense and its allgather phase carry b-bit codes and one float32
+        scale per ``bucket_size`` values; sparse segments stay exact pairs. ``"auto"`` then
+        takes neither the float32 dense allreduce nor the ring, so without ``density`` a dense
+        gradient is quantized end to end (about b/32 of float32's bytes, both phases); the small
+        leaves (``min_size``) and warm-up steps still travel in float32.
+      quantize_feedback: with ``quantize_bits`` and no ``density``/``k``: error feedback for
+        the split phase's coding (EF-SGD): each rank adds what its codes lost last step to its
+        next gradient buffer (the state's ``quantization_error``). The allgather phase's error is
+        shared by every rank and left to QSGD's unbiasedness.
       algorithm: SparCML's, passed to :func:`sparcml_jax.sparse_allreduce` (``"auto"`` or one of
         ``sparcml_jax.ALGORITHMS``), or a global top-k allreduce (one of
         ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``: ``"spardl"``, ``"oktopk"``, ``"gtopk"``). A
@@ -325,14 +335,18 @@ def allreduce_gradients(
                              f"or pass algorithm={owner!r}")
     if algorithm in GLOBAL_TOPK_ALGORITHMS:
         _check_global_topk(algorithm, exact=exact, sparsifier=sparsifier, quantize_bits=quantize_bits,
-                           bucket_size=bucket_size, quantize_scale=quantize_scale, cost_model=cost_model,
-                           buckets=buckets)
+                           quantize_feedback=quantize_feedback or None, bucket_size=bucket_size,
+                           quantize_scale=quantize_scale, cost_model=cost_model, buckets=buckets)
         return _with_param_checks(optax.chain(global_topk_reduce(
             fuse_leaves(min_size=min_size, fuse=fuse), algorithm=algorithm, density=density, k=k,
             error_feedback=error_feedback, transport=transport, comm=comm, axis_name=axis_name, average=average,
             delta=1.0 if delta is None else _static(delta, "delta"), warmup_steps=warmup_steps,
             teams=1 if teams is None else teams, tau=128 if tau is None else tau,
             tau_prime=64 if tau_prime is None else tau_prime), densify()))
+    if quantize_feedback and (quantize_bits is None or not exact or buckets is not None):
+        raise ValueError("quantize_feedback feeds QSGD's split-phase error back into dense gradients: it needs "
+                         "quantize_bits, no density or k (top-k segments travel as exact pairs) and no buckets "
+                         f"(got quantize_bits={quantize_bits!r}, density={density!r}, k={k!r}, buckets={buckets!r})")
     if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
         raise ValueError(f"buckets must be a positive int or None, got {buckets!r}")
     if buckets is not None and (transport not in (None, "native") or capacity is not None or axis_name is not None):
@@ -344,12 +358,20 @@ def allreduce_gradients(
         quantize_bits=quantize_bits,
         delta=1.0 if delta is None else _static(delta, "delta"), quantize_scale=quantize_scale,
         bucket_size=1024 if bucket_size is None else _static(bucket_size, "bucket_size"), cost_model=cost_model,
-        capacity=capacity, warmup_steps=warmup_steps, nonblocking=buckets is not None, seed=seed)
+        capacity=capacity, warmup_steps=warmup_steps, nonblocking=buckets is not None, seed=seed,
+        quantize_feedback=bool(quantize_feedback))
     compress = None if exact else sparsify(sparsifier, density=density, k=k, warmup_steps=warmup_steps, seed=seed)
     fused = fuse_leaves(compress, min_size=min_size, fuse=fuse, buckets=buckets)
+    if quantize_feedback:  # its state is sized by the fused buffers of the parameters
+        reduce = _init_on_packed(reduce, fused)
     with_feedback = error_feedback and not exact  # exact mode sends every nonzero: nothing to feed back
     chained = optax.chain(stages.error_feedback(fused) if with_feedback else fused, reduce, densify())
     return _with_param_checks(chained, lambda old: _from_single_state(old, with_feedback, exact))
+
+
+def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTransformation):
+    """``tx`` whose ``init`` sees the parameters packed as ``fused`` packs the gradient."""
+    return optax.GradientTransformation(lambda params: tx.init(fused.update(params, fused.init(params))[0]), tx.update)
 
 
 def _with_param_checks(chained: optax.GradientTransformation, from_single_state=None) -> optax.GradientTransformation:
@@ -380,6 +402,7 @@ def _check_global_topk(algorithm: str, *, exact: bool, sparsifier: Any, **others
         raise ValueError(f"algorithm={algorithm!r} selects the top k inside the collective; sparsifier={sparsifier!r} "
                          "cannot be used with it (leave sparsifier='topk')")
     why = dict(quantize_bits="QSGD quantizes the dense phase of SparCML's DSAR",
+               quantize_feedback="QSGD quantizes the dense phase of SparCML's DSAR",
                bucket_size="QSGD quantizes the dense phase of SparCML's DSAR",
                quantize_scale="QSGD quantizes the dense phase of SparCML's DSAR",
                cost_model="the cost model chooses among SparCML's algorithms",

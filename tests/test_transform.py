@@ -217,6 +217,10 @@ def test_warmup_sends_dense(buckets):
     (dict(transport="tcp"), "transport"), (dict(quantize_bits=4, algorithm="dense"), "quantize_bits"),
     (dict(density=0.1, capacity=5), "capacity"), (dict(buckets=0), "buckets"),
     (dict(buckets=2, capacity=8), "buckets"), (dict(buckets=2, transport="mpi4jax"), "buckets"),
+    (dict(quantize_feedback=True), "needs quantize_bits"),
+    (dict(quantize_bits=4, quantize_feedback=True, density=0.01), r"no density or k \(top-k segments"),
+    (dict(quantize_bits=4, quantize_feedback=True, buckets=2), "no buckets"),
+    (dict(algorithm="spardl", density=0.01, quantize_feedback=True), "does not take quantize_feedback"),
 ])
 def test_bad_configuration_is_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -2,6 +2,9 @@
 step, exact mode matches a dense allreduce (also for SparseStream gradient leaves, the sparse
 training loop of sparcml_jax.lazy), and the error-feedback invariant holds per rank."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,9 @@ import pytest
 
 import sparcml_jax
 from _util import COMM, RANK, run_and_agree, training_checks
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
+from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
 
 
 def _params():
@@ -184,3 +190,38 @@ def test_custom_sparsifier_and_error_feedback_with_a_reduction_of_your_own():
         return failures
 
     run_and_agree(check, "custom stages")
+
+
+def test_quantize_feedback_over_steps_is_ef_sgd():
+    """allreduce_gradients(quantize_bits=4, quantize_feedback=True) on a dense gradient, step by
+    step against the reference: each rank sends v = g + e through quantized DSAR (both phases
+    coded) and keeps e = what its split phase lost; sums and errors bit for bit."""
+    size, steps, bucket = 3001, 4, 256
+
+    def grads_of(step, rank):
+        return np.random.default_rng([step, rank, 5]).standard_normal(size).astype(np.float32)
+
+    def check():
+        tx = sparcml_jax.allreduce_gradients(quantize_bits=4, quantize_feedback=True, bucket_size=bucket,
+                                             average=False, algorithm="dsar_split_allgather", seed=3)
+        params = {"w": jnp.zeros(size)}
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        errors = np.zeros((COMM.size, size), np.float32)
+        key = jax.random.key(3)  # the reducer's key, as its state draws one per step and buffer
+        failures = []
+        for t in range(steps):
+            key, step_key = jax.random.split(key)
+            call_key = jax.random.fold_in(step_key, 0)
+            sent = np.stack([grads_of(t, r) for r in range(COMM.size)]) + errors
+            want = quantized_dsar_reference(sent, call_key, bits=4, bucket=bucket)
+            errors = np.stack([split_phase_error(sent, r, call_key, bits=4, bucket=bucket) for r in range(COMM.size)])
+            out, state = update({"w": jnp.asarray(grads_of(t, RANK))}, state, params)
+            if not np.array_equal(np.asarray(out["w"]).view(np.uint32), want.view(np.uint32)):
+                failures.append(f"step {t}: the sum differs from the reference")
+            kept = optax.tree_utils.tree_get(state, "quantization_error")[0]
+            if not np.array_equal(np.asarray(kept).view(np.uint32), errors[RANK].view(np.uint32)):
+                failures.append(f"step {t}: this rank's quantization error differs from the reference")
+        return failures
+
+    run_and_agree(check, "quantize_feedback over steps")
