@@ -127,8 +127,11 @@ def main(argv=None):
     parser.add_argument("--algorithm", default="dsar_split_allgather",
                         choices=[*sparcml_jax.ALGORITHMS, "auto", *sparcml_jax.GLOBAL_TOPK_ALGORITHMS],
                         help="SparCML's sparse allreduce, or a global top-k one (spardl, oktopk, gtopk)")
-    parser.add_argument("--bits", type=int, default=4, help="QSGD bits on DSAR's dense phase (0: none)")
+    parser.add_argument("--bits", type=int, default=4, help="QSGD bits on DSAR's dense phases (0: none)")
     parser.add_argument("--scale", default="max", choices=["max", "l2"])
+    parser.add_argument("--quantize-feedback", action="store_true",
+                        help="with --density none: feed what QSGD's split phase loses back into the next "
+                             "gradient (error feedback for the quantization of a dense gradient)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-every", type=int, default=10)
     parser.add_argument("--buckets", type=int, default=0,
@@ -142,8 +145,12 @@ def main(argv=None):
     bits = qsgd_bits(args.algorithm, args.bits)
     if args.buckets and global_topk:
         parser.error(f"--buckets runs SparCML's algorithms on the non-blocking engine, not {args.algorithm}")
+    if args.quantize_feedback and (bits is None or args.density is not None):
+        parser.error("--quantize-feedback feeds back the quantization of a dense gradient: it needs --density none "
+                     "and --bits with --algorithm auto or dsar_split_allgather")
     compression = dict(density=args.density, algorithm=args.algorithm, min_size=0, seed=args.seed,
-                       **({} if bits is None else dict(quantize_bits=bits, quantize_scale=args.scale)))
+                       **({} if bits is None else dict(quantize_bits=bits, quantize_scale=args.scale,
+                                                       quantize_feedback=args.quantize_feedback)))
     sparse = train("sparse", sparcml_jax.allreduce_gradients(**compression), data, args, comm)
     if args.buckets:
         bucketed_reducer = sparcml_jax.allreduce_gradients(**compression, buckets=args.buckets)
@@ -154,9 +161,9 @@ def main(argv=None):
         stats = optax.tree_utils.tree_get(sparse["state"], "stats")
         names = (*sparcml_jax.ALGORITHMS, *sparcml_jax.GLOBAL_TOPK_ALGORITHMS)
         chosen = names[int(stats.algorithm)] if int(stats.algorithm) >= 0 else "dense"
-        quantized = bits and chosen == "dsar_split_allgather"  # QSGD codes DSAR's dense phase only
+        quantized = bits and chosen == "dsar_split_allgather"  # QSGD codes DSAR's dense phases only
         method = ("every entry" if args.density is None else f"top-k {args.density:.0%} + error feedback") + (
-            f" + {bits}-bit QSGD" if quantized else "")
+            f" + {bits}-bit QSGD" if quantized else "") + (" with error feedback" if args.quantize_feedback else "")
         through = args.algorithm if chosen == args.algorithm else f"{args.algorithm} ({chosen})"
         print(f"final: test accuracy sparse {sparse['accuracy']:.4f} vs dense {dense['accuracy']:.4f} "
               f"(gap {100 * (dense['accuracy'] - sparse['accuracy']):+.2f} points); "

@@ -253,7 +253,10 @@ def allreduce_gradients(
       quantize_feedback: with ``quantize_bits`` and no ``density``/``k``: error feedback for
         the split phase's coding (EF-SGD): each rank adds what its codes lost last step to its
         next gradient buffer (the state's ``quantization_error``). The allgather phase's error is
-        shared by every rank and left to QSGD's unbiasedness.
+        shared by every rank and left to QSGD's unbiasedness. QSGD is unbiased already, so this
+        bounds the accumulated error rather than a bias; at 2 bits (one level per sign) the error
+        can be as large as its bucket's scale and feeds on itself (digits, P = 4, 20 epochs:
+        4.7 points below float32 with it, 0.3 without); use it at 4 or 8 bits.
       algorithm: SparCML's, passed to :func:`sparcml_jax.sparse_allreduce` (``"auto"`` or one of
         ``sparcml_jax.ALGORITHMS``), or a global top-k allreduce (one of
         ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``: ``"spardl"``, ``"oktopk"``, ``"gtopk"``). A
