@@ -91,8 +91,7 @@ def test_quantized_dsar_decodes_the_same_bytes_on_every_device():
     np.testing.assert_array_equal(out[0], rows.sum(axis=0))
 
 
-@pytest.mark.parametrize("p", (1, 2, 3, 5, 8))
-@pytest.mark.parametrize("bits", (2, 8))
+@pytest.mark.parametrize("p,bits", ((1, 4), (3, 2), (5, 8), (8, 4)))
 def test_quantized_dsar_equals_its_reference(p, bits):
     """Both phases coded as specified (tests/quantized_dsar_reference.py), bit for bit, on every
     device. Static buffers code a split-phase segment whenever its buffer holds its range (capacity

@@ -499,6 +499,18 @@ def test_quantize_feedback_returns_what_the_split_phase_lost(transport):
             if np.any(np.abs(books) > bound * (1 + 1e-4) + 1e-4):
                 failures.append(f"{label}: result + errors - sum exceeds the allgather's coding bound by "
                                 f"{np.max(np.abs(books) - bound)}")
+
+            def kept_dense(r, o, inp=inp):  # nonzeros_allreduce compacts x only below the dense threshold
+                return np.count_nonzero(inp.rows[r]) >= dense_threshold(n) or coded(r, o)
+
+            total, error = nonzeros_allreduce(jnp.asarray(inp.x), algorithm="dsar_split_allgather", quantize_bits=4,
+                                              key=key, bucket_size=QUANT_BUCKET, transport=transport,
+                                              quantize_feedback=True)
+            want = quantized_dsar_reference(inp.rows, key, bits=4, bucket=QUANT_BUCKET, coded=kept_dense)
+            lost = split_phase_error(inp.rows, RANK, key, bits=4, bucket=QUANT_BUCKET, coded=kept_dense)
+            if not (np.array_equal(bits(np.asarray(total)), bits(want))
+                    and np.array_equal(bits(np.asarray(error)), bits(lost))):
+                failures.append(f"{label}: nonzeros_allreduce's sum or error differs from the reference")
         except Exception as e:  # noqa: BLE001
             failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
     agree_all(failures, f"quantize_feedback / {transport}")
