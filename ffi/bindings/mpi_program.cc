@@ -62,6 +62,24 @@ class Interpreter {
     return regs_[i];
   }
 
+  // On a bfloat16 wire a rank keeps what it sends as its peers receive it, so that every rank
+  // goes on with the same values (and ends with the same result).
+  void AsOnTheWire(int64_t reg) {
+    Stream& s = Reg(reg);
+    int64_t count = s.dense ? s.n : s.nnz;
+    if (!call_.half() || count == 0 || call_.failed()) return;
+    struct Rounded {
+      std::shared_ptr<void> base;  // keeps the indices alive
+      Scratch<float> val;
+    };
+    auto rounded = std::make_shared<Rounded>();
+    rounded->base = s.storage;
+    rounded->val.assign(s.val, s.val + count);
+    RoundToBf16(rounded->val.data(), count);
+    s.val = rounded->val.data();
+    s.storage = rounded;
+  }
+
   int32_t algorithm = -1;
   int32_t dense_round = -1;
 
@@ -133,6 +151,7 @@ class Interpreter {
       }
       case kResidual: Residual(dst, w[3], w[4], w[5]); break;
       case kNonzeros: Nonzeros(dst, cap, w[3], w[4]); break;
+      case kWire: call_.SetHalf(w[3] == 16); break;
       default: throw std::runtime_error("unknown instruction " + std::to_string(w[0]));
     }
   }
@@ -376,6 +395,7 @@ class Interpreter {
   void Exchange(int64_t dst, int64_t cap, int64_t send, int64_t into, int dest, int source, int64_t combine) {
     bool hand_over = combine & kHandOver, pairs_only = combine & kPairsOnly;
     combine &= ~(kHandOver | kPairsOnly);
+    if (dest >= 0) AsOnTheWire(send);
     Stream kept = hand_over && dest >= 0 ? Empty(Reg(into).n, cap) : Reg(into);
     if (dest >= 0) {
       const Stream& s = Reg(send);
@@ -530,6 +550,7 @@ class Interpreter {
   // Parts of run-time regions (`regions`) already carry indices over the whole vector. With
   // teams of `width` ranks, the parts of this rank's team: range q of `width` from position q.
   void AllgatherPairs(int64_t dst, int64_t cap, int64_t src, bool as_pairs, bool regions, int64_t width) {
+    AsOnTheWire(src);
     const Stream part = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = args_.n, parts = width > 0 ? width : p;
@@ -610,6 +631,8 @@ class Interpreter {
       Place(part, displs[me], true, w, 0);
       if (bits) {
         QuantizedAllgather(w.val, counts, displs, slot, bits, bucket, scale_kind);
+      } else if (call_.half()) {
+        HalfAllgather(w.val, counts, displs, slot);
       } else {
         MPI_Request request;
         if (std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; })) {
@@ -626,6 +649,20 @@ class Interpreter {
     }
     Reg(dst) = out;
     AfterRound(dst, true);
+  }
+
+  // Every rank's slice as bfloat16; the owner keeps its own rounded, as the others receive it.
+  void HalfAllgather(float* values, const std::vector<int>& counts, const std::vector<int>& displs, int slot) {
+    int p = call_.nprocs(), me = call_.rank();
+    int64_t n = displs[p - 1] + counts[p - 1];
+    Scratch<uint16_t> halves(std::max<int64_t>(n, 1));
+    for (int i = 0; i < counts[me]; ++i) halves[displs[me] + i] = Bf16Bits(values[displs[me] + i]);
+    MPI_Request request;
+    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_UINT16_T, halves.data(), counts.data(), displs.data(), MPI_UINT16_T,
+                    call_.comm(), &request);
+    call_.Await(&request, 1);
+    for (int64_t i = 0; i < n; ++i) values[i] = FromBf16(halves[i]);
+    call_.CountSent(2.0 * slot * (p - 1));
   }
 
   // Every rank QSGD-codes its slice (zero-padded to the slot), the codes travel, and every rank
@@ -658,6 +695,14 @@ class Interpreter {
   }
 
   void Allreduce(int64_t dst, int64_t src) {
+    if (call_.half()) {  // MPI cannot sum bfloat16: DSAR's dense phases, whose sums stay float32
+      int64_t slice = static_cast<int64_t>(regs_.size());
+      int p = call_.nprocs(), me = call_.rank();
+      int64_t n = Reg(src).n, length = PartStart(n, p, me + 1) - PartStart(n, p, me);
+      ReduceScatter(slice, length, src, true, false, Coding{}, -1);
+      AllgatherDense(dst, slice, 0, 0, 0);
+      return;
+    }
     const Stream s = Reg(src);
     int p = call_.nprocs();
     int64_t n = s.n;
@@ -764,6 +809,7 @@ class Interpreter {
 
   // The sum of the streams of this rank's column of teams of `width` (0: of every rank), in rank order.
   void Gather(int64_t dst, int64_t cap, int64_t src, int64_t width) {
+    AsOnTheWire(src);
     const Stream s = Reg(src);
     int p = call_.nprocs(), me = call_.rank();
     std::vector<int> column = width > 0 ? Group(width, true) : Group(0, false);  // 0: every rank
@@ -911,6 +957,8 @@ ProgramResult RunProgram(const ProgramArgs& args, Stream input, const std::strin
   run.Reg(0) = input;
   try {
     run.Run(args.code.data(), static_cast<int64_t>(args.code.size()) / kWords);
+    // A rank that handed the total on (a non-power of two's unfold) ends with it as sent.
+    if (args.result_register >= 0) run.AsOnTheWire(args.result_register);
     call.WaitSends();
   } catch (const Aborted&) {
     call.Abort();

@@ -114,8 +114,16 @@ Header Call::Make(int64_t count, bool dense) const {
 
 void Call::Send(int dest, Header h, const int32_t* idx, const float* val) {
   h.coded = 0;
+  h.half = half_ && h.kind == kData;
   const void* pieces[2] = {idx, val};
-  int64_t bytes[2] = {h.dense ? 0 : int64_t{h.count} * 4, int64_t{h.count} * 4};
+  int64_t bytes[2] = {h.dense ? 0 : int64_t{h.count} * 4, int64_t{h.count} * (h.half ? 2 : 4)};
+  if (h.half && h.count > 0) {  // the bfloat16 values, kept until WaitSends
+    auto halves = std::make_unique<Bytes>(bytes[1]);
+    uint16_t* out = reinterpret_cast<uint16_t*>(halves->data());
+    for (int64_t i = 0; i < h.count; ++i) out[i] = Bf16Bits(val[i]);
+    pieces[1] = halves->data();
+    send_buffers_.push_back(std::move(halves));
+  }
   Post(dest, h, pieces, bytes, 2);
 }
 
@@ -269,8 +277,11 @@ void Call::Payload(int source, const Message& m, int32_t* idx, float* val) {
     return;
   }
   void* pieces[2] = {idx, val};
-  int64_t bytes[2] = {h.dense ? 0 : int64_t{h.count} * 4, int64_t{h.count} * 4};
+  int64_t bytes[2] = {h.dense ? 0 : int64_t{h.count} * 4, int64_t{h.count} * (h.half ? 2 : 4)};
+  Scratch<uint16_t> halves(h.half && val ? std::max<int64_t>(h.count, 0) : 0);
+  if (h.half && val) pieces[1] = halves.data();
   Read(source, m, pieces, bytes, 2);
+  for (int64_t i = 0; h.half && val && i < h.count; ++i) val[i] = FromBf16(halves[i]);
 }
 
 void Call::PayloadCoded(int source, const Message& m, char* codes) {

@@ -4,7 +4,8 @@
 //
 //   header {signature, kind, flags, bad rank, count, dense, inline, nnz max/min/sum}
 //   then `count` int32 indices + `count` float32 values (pairs), `count` float32 values (a dense
-//   slice) or `coded` bytes of QSGD codes of a dense slice of `count` values: inside the header's
+//   slice; with `half`, the values as bfloat16, rounded to nearest even, and widened back to float32
+//   on arrival) or `coded` bytes of QSGD codes of a dense slice of `count` values: inside the header's
 //   message when small, else as one or two more messages under the same tag, straight from the
 //   sender's buffers (MPI keeps messages of one source and tag in order).
 //
@@ -70,10 +71,33 @@ struct Header {
   int32_t dense = 0;
   int32_t inline_payload = 0;
   int32_t coded = 0;  // > 0: the dense slice travels as this many bytes of QSGD codes
+  int32_t half = 0;   // the values travel as bfloat16
   int64_t nnz_max = 0, nnz_min = 0, nnz_sum = 0;            // carried by the agreement step
 };
 
-inline int64_t PayloadBytes(const Header& h) { return h.coded > 0 ? h.coded : int64_t{h.count} * (h.dense ? 4 : 8); }
+inline int64_t PayloadBytes(const Header& h) {
+  if (h.coded > 0) return h.coded;
+  return int64_t{h.count} * ((h.dense ? 0 : 4) + (h.half ? 2 : 4));
+}
+
+// float32 -> bfloat16 bits, rounded to nearest even (as XLA's convert); a NaN stays a NaN.
+inline uint16_t Bf16Bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  if ((b & 0x7fffffffU) > 0x7f800000U) return static_cast<uint16_t>((b >> 16) | 0x40);
+  b += 0x7fffU + ((b >> 16) & 1);
+  return static_cast<uint16_t>(b >> 16);
+}
+inline float FromBf16(uint16_t h) {
+  uint32_t b = uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+// Rounds values to what they become on a bfloat16 wire.
+inline void RoundToBf16(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = FromBf16(Bf16Bits(v[i]));
+}
 
 inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(handle)); }
 
@@ -148,6 +172,9 @@ class Call {
   // Whether every rank already holds every rank's flags (an all-to-all or Agree happened).
   bool agreed() const { return agreed_; }
   bool background() const { return background_; }
+  // Whether data messages carry their values as bfloat16 (the program's wire setting).
+  bool half() const { return half_; }
+  void SetHalf(bool half) { half_ = half; }
   void MarkAgreed() { agreed_ = true; }
 
   // Joins the call's abort: tells every peer, then receives everything the peers sent in this
@@ -172,7 +199,7 @@ class Call {
   bool background_;
   int32_t flags_ = 0, bad_rank_ = std::numeric_limits<int32_t>::max();
   double sent_ = 0;
-  bool agreed_ = false, aborted_ = false;
+  bool agreed_ = false, aborted_ = false, half_ = false;
   int64_t nnz_max_ = 0;
   std::vector<char> abort_seen_;
   // Headers taken ahead of their turn (see WatchOthers), and per source the payloads that still

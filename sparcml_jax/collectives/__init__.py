@@ -9,7 +9,7 @@ the collective's own messages, so a bad input raises on every rank instead of le
 from __future__ import annotations
 
 import functools
-from typing import Hashable
+from typing import Any, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,8 @@ from sparcml_jax.collectives._plan import ALGORITHMS, ENGINE_ALGORITHMS, Allredu
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.dense import dense_allreduce
 from sparcml_jax.collectives.validate import (allreduce_signature, call_and_recover, check_allreduce,
-                                              check_allreduce_arguments, reject_everywhere, reset_after_error)
+                                              check_allreduce_arguments, reject_everywhere, reset_after_error,
+                                              wire_bits)
 from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
 from sparcml_jax.kernels._common import check_stream, check_vector
@@ -44,6 +45,7 @@ def sparse_allreduce(
     bucket_size: int = 1024,
     quantize_scale: str = "max",
     quantize_feedback: bool = False,
+    value_dtype: Any = None,
     cost_model: CostModel | None = None,
     return_stats: bool = False,
 ):
@@ -76,6 +78,11 @@ def sparse_allreduce(
         everywhere when the call chose an exact algorithm). Added to the next call's input it
         is error feedback (EF-SGD); the allgather phase's error is shared by every rank and left
         to QSGD's unbiasedness. Blocking calls only.
+      value_dtype: the values on the wire: ``jnp.float32`` (``None``, the default) or
+        ``jnp.bfloat16`` (half the bytes of a value; pairs keep int32 indices): rounded to
+        nearest even by their sender, who goes on with them as its peers receive them, and
+        summed in float32. Every algorithm, native transport, blocking calls; the dense
+        allreduce then runs as DSAR's two phases (MPI cannot sum bfloat16).
       cost_model: the model ``"auto"`` chooses with; by default the file named by
         ``SPARCML_JAX_COST_MODEL``, else measured once per communicator (a named algorithm
         never measures it).
@@ -105,6 +112,7 @@ def sparse_allreduce(
         quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
                                              key=key, bucket_size=bucket_size, quantize_scale=quantize_scale,
                                              quantize_feedback=quantize_feedback)
+        wire_bits(value_dtype, "xla")
         plan = on_axis.axis_plan(axis_name, comm, transport, delta, quantize)
         model = on_axis.cost_model_on_axis(cost_model, plan.nprocs) if algorithm == "auto" and plan.nprocs > 1 else None
         return _returned(*on_axis.allreduce(plan, algorithm, model, stream, key), return_stats)
@@ -113,7 +121,8 @@ def sparse_allreduce(
     try:
         plan = check_allreduce(comm, stream, algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
-                               quantize_scale=quantize_scale, quantize_feedback=quantize_feedback)
+                               quantize_scale=quantize_scale, quantize_feedback=quantize_feedback,
+                               value_dtype=value_dtype)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
@@ -141,6 +150,7 @@ def nonzeros_allreduce(
     bucket_size: int = 1024,
     quantize_scale: str = "max",
     quantize_feedback: bool = False,
+    value_dtype: Any = None,
     cost_model: CostModel | None = None,
     return_stats: bool = False,
 ):
@@ -167,8 +177,8 @@ def nonzeros_allreduce(
         total, *rest = sparse_allreduce(
             from_dense(x, delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm, transport=transport,
             delta=delta, quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
-            quantize_scale=quantize_scale, quantize_feedback=quantize_feedback, cost_model=cost_model,
-            return_stats=True)
+            quantize_scale=quantize_scale, quantize_feedback=quantize_feedback, value_dtype=value_dtype,
+            cost_model=cost_model, return_stats=True)
         return _returned(total.to_dense(), rest[-1], rest[0] if quantize_feedback else None, return_stats)
     comm = resolve_comm(comm)
     transport = "native" if transport is None else transport
@@ -176,7 +186,8 @@ def nonzeros_allreduce(
         x = check_vector(x, "x")
         plan = check_allreduce(comm, dense_stream(x), algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
-                               quantize_scale=quantize_scale, quantize_feedback=quantize_feedback)
+                               quantize_scale=quantize_scale, quantize_feedback=quantize_feedback,
+                               value_dtype=value_dtype)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
@@ -218,10 +229,12 @@ def native_program(plan: Plan, algorithm: str, model: CostModel | None, size: in
         name = rows[0][1]
         program = record(definition(name), code=ALGORITHMS.index(name), **plan.options(name))
         # The dense allreduce sums the values whatever their count.
-        return native.on_nonzeros(program) if nonzeros and name != "dense" else program
-    return native.record_choice([(bound, ALGORITHMS.index(name), definition(name), plan.options(name))
-                                 for bound, name in rows], rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta,
-                                size=size, capacity=capacity, nonzeros=nonzeros)
+        program = native.on_nonzeros(program) if nonzeros and name != "dense" else program
+    else:
+        program = native.record_choice([(bound, ALGORITHMS.index(name), definition(name), plan.options(name))
+                                        for bound, name in rows], rank=plan.rank, nprocs=plan.nprocs,
+                                       delta=plan.delta, size=size, capacity=capacity, nonzeros=nonzeros)
+    return native.on_bfloat16_wire(program) if plan.value_bits == 16 else program
 
 
 def _choices(plan: Plan, model: CostModel | None, size: int, capacity: int,

@@ -26,13 +26,30 @@ from sparcml_jax.stream import SparseStream, dense_threshold
 
 def check_allreduce(comm: MPI.Comm, stream: Any, *, algorithm: str, transport: str, delta: float,
                     quantize_bits: int | None, key: Any, bucket_size: int, quantize_scale: str,
-                    quantize_feedback: bool = False) -> Plan:
+                    quantize_feedback: bool = False, value_dtype: Any = None) -> Plan:
     """The plan of a valid call; raises TypeError or ValueError naming the argument otherwise."""
     check_transport(transport)
     quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
                                          key=key, bucket_size=bucket_size, quantize_scale=quantize_scale,
                                          quantize_feedback=quantize_feedback)
-    return Plan(comm, transport, float(delta), quantize)
+    return Plan(comm, transport, float(delta), quantize, wire_bits(value_dtype, transport))
+
+
+def wire_bits(value_dtype: Any, transport: str | None) -> int:
+    """Bits of the values on the wire for ``value_dtype`` (None: float32); bfloat16 travels on the
+    native engine only."""
+    if value_dtype is None:
+        return 32
+    try:
+        dtype = jnp.dtype(value_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"value_dtype must be jnp.float32 or jnp.bfloat16 (the values on the wire), got {value_dtype!r}")
+    if dtype == jnp.bfloat16 and transport != "native":
+        raise ValueError(f"value_dtype=bfloat16 travels on the native engine: pass transport='native' (the default "
+                         f"over MPI), not {transport!r}; the mpi4jax and XLA transports send float32")
+    return 16 if dtype == jnp.bfloat16 else 32
 
 
 def check_allreduce_arguments(stream: Any, *, algorithm: str, delta: float, quantize_bits: int | None, key: Any,
@@ -80,7 +97,7 @@ def allreduce_signature(plan: Plan, algorithm: str, size: int, capacity: int, mo
         "allreduce", size=size, capacity=capacity, dense_input=int(dense),
         algorithm=(*ALGORITHMS, "auto").index(algorithm),
         transport=plan.transport, delta=plan.delta, quantize_bits=q and q.bits, bucket_size=q and q.bucket_size,
-        quantize_scale=q and q.scale, cost_model=model_digest(model))
+        quantize_scale=q and q.scale, cost_model=model_digest(model), value_bits=plan.value_bits)
 
 
 def _empty() -> SparseStream:

@@ -42,7 +42,7 @@ NAME = "native"
 # Instruction words {op, dst, capacity, a, b, c, d, e}: keep in step with ffi/bindings/mpi_program.h.
 WORDS = 8
 (EXCHANGE, REDUCE_SCATTER, ALLGATHER, ALLREDUCE, SPLIT, CONCAT, GATHER, AGREE, CHOOSE, MOVE, FREE, SELECT, ADD_LOCAL,
- RESIDUAL, NONZEROS) = range(1, 16)
+ RESIDUAL, NONZEROS, WIRE) = range(1, 17)
 COUNT_AND_COMPACT, COUNT_ONLY, COMPACT_COUNTED = 0, 1, 2  # NONZEROS' steps
 COMBINE = {"add": 1, "replace": 2}
 HAND_OVER, PAIRS_ONLY = 4, 8
@@ -300,6 +300,13 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
         rec.code += sub.code
     return Program(tuple(rec.code), result.id, size, result.capacity, -1, -1 if residual is None else residual.id,
                    dense=dense)
+
+
+def on_bfloat16_wire(program: Program) -> Program:
+    """``program`` with its messages' values as bfloat16 (rounded to nearest even; sums stay
+    float32). A rank keeps what it sends as its peers receive it, so every rank ends with the same
+    result; MPI_Allreduce, which cannot sum bfloat16, becomes DSAR's two dense phases."""
+    return dataclasses.replace(program, code=(WIRE, 0, 0, 16, 0, 0, 0, 0) + program.code)
 
 
 def on_nonzeros(program: Program) -> Program:

@@ -86,14 +86,16 @@ class Simulated:
       nprocs, size, delta: as for a real transport.
       wire: ``"native"`` (payloads: 8 bytes per pair or 4 per dense entry) or ``"mpi4jax"``
         (whole static buffers with their 8-byte headers).
+      value_bytes: bytes of a value on the native wire: 4 (float32) or 2 (bfloat16; the dense
+        allreduce then runs as DSAR's two phases). Values are not rounded here.
     """
 
     name = "simulated"
     variable_length = True
     nonblocking = False
 
-    def __init__(self, nprocs: int, size: int, delta: float = 1.0, wire: str = "native"):
-        self.nprocs, self.size, self.delta, self.wire = nprocs, size, delta, wire
+    def __init__(self, nprocs: int, size: int, delta: float = 1.0, wire: str = "native", value_bytes: int = 4):
+        self.nprocs, self.size, self.delta, self.wire, self.value_bytes = nprocs, size, delta, wire, value_bytes
         self.sent = [0.0] * nprocs
 
     # --------------------------------------------------------------------------- rules
@@ -126,7 +128,7 @@ class Simulated:
     def _message(self, s: SimStream) -> float:
         """Bytes of one stream's message (mpi4jax: its whole static buffer)."""
         if self.wire == "native":
-            return 4.0 * s.n if s.dense else 8.0 * len(s.idx)
+            return float(self.value_bytes * s.n if s.dense else (4 + self.value_bytes) * len(s.idx))
         compact = s.capacity >= s.n and self._threshold(s.n) - 1 <= s.n // 2
         return 4.0 * (2 + s.n) if compact else 8.0 + 8.0 * s.capacity
 
@@ -228,7 +230,7 @@ class Simulated:
         if dense or quantize is not None:
             slot = longest_part(n, p)
             if quantize is None:
-                per_rank = 4.0 * slot
+                per_rank = float(self.value_bytes * slot)
             else:
                 per_rank = qsgd_wire_bytes(slot, bits=quantize.bits, bucket_size=quantize.bucket_size)
             whole = SimStream(n, n, None, np.concatenate([x.to_dense() for x in part]))
@@ -244,6 +246,8 @@ class Simulated:
 
     def allreduce(self, s: Ranks) -> Ranks:
         n, p = self.size, self.nprocs
+        if self.value_bytes != 4:  # MPI cannot sum bfloat16: the engine runs DSAR's phases
+            return self.allgather(self.reduce_scatter(s, dense=True), dense=True)
         self.sent = [sent + 2 * (p - 1) / p * 4 * n for sent in self.sent]
         total = sum(x.to_dense() for x in s)
         return [SimStream(n, n, None, total.copy()) for _ in range(p)]

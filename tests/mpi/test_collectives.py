@@ -538,6 +538,50 @@ def test_quantize_feedback_with_auto_is_zero_where_nothing_was_coded():
     agree_all(failures, "quantize_feedback with auto")
 
 
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values as a bfloat16 wire delivers them (rounded to nearest even)."""
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS_AND_AUTO)
+def test_bfloat16_wire_on_fractional_values(algorithm):
+    """value_dtype=bfloat16 on values bfloat16 cannot hold: every rank ends with the same sum, within
+    bfloat16's rounding of every partial sum it sent; DSAR and the dense allreduce (which runs as
+    DSAR's phases) are bit for bit their reference: the owner adds the rounded segments of the
+    others to its own in rank order in float32, and its slice travels rounded."""
+    failures = []
+    for density in (1.0, 0.5, 0.01):
+        inp = inputs("full", density, "random")
+        rows = inp.rows * np.float32(1.0 / 3.0) + np.where(inp.rows != 0, np.float32(1e-3), np.float32(0))
+        x = rows[RANK]
+        label = f"bf16 {algorithm} d={density}"
+        try:
+            out = sparse_allreduce(from_dense(jnp.asarray(x), capacity=inp.size), algorithm=algorithm,
+                                   value_dtype=jnp.bfloat16)
+            got = np.asarray(out.to_dense())
+            total = rows.astype(np.float64).sum(axis=0)
+            rounds = int(np.ceil(np.log2(max(NPROCS, 2)))) + NPROCS  # a partial sum rounded per message at most
+            bound = np.abs(rows).astype(np.float64).sum(axis=0) * rounds * 2.0 ** -8
+            if np.any(np.abs(got - total) > bound + 1e-6):
+                failures.append(f"{label}: error {np.max(np.abs(got - total))} beyond bfloat16's rounding")
+            if algorithm in ("dense", "dsar_split_allgather"):
+                want = np.zeros(inp.size, np.float32)
+                for o in range(NPROCS):
+                    lo, hi = part_bounds(inp.size, NPROCS, o)
+                    owned = np.zeros(hi - lo, np.float32)
+                    for r in range(NPROCS):
+                        owned = owned + (rows[r, lo:hi] if r == o else bf16(rows[r, lo:hi]))
+                    want[lo:hi] = bf16(owned)
+                if not np.array_equal(bits(got), bits(want)):
+                    failures.append(f"{label}: {np.count_nonzero(bits(got) != bits(want))} entries differ from the "
+                                    "bfloat16 reference")
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+            out = None
+        failures += check_identical_on_all_ranks(out, label)
+    agree_all(failures, f"bfloat16 wire {algorithm}")
+
+
 def test_quantized_dsar_on_static_buffers_equals_its_reference():
     """The mpi4jax transport interprets quantized DSAR too (sparse_allreduce runs DSAR on the
     native engine on both MPI transports): a stream of capacity N codes every segment."""

@@ -13,6 +13,7 @@ checked on their own as well.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _util import (
@@ -35,7 +36,7 @@ N_DENSE = 1001  # capacity N: streams may switch to dense mid-schedule
 HEADER = 8  # mpi4jax transport: [nnz, 0] as int32
 
 
-def simulated_bytes(algorithm: str, inp: Inputs, transport: str, **options) -> list[float]:
+def simulated_bytes(algorithm: str, inp: Inputs, transport: str, value_bytes: int = 4, **options) -> list[float]:
     """Bytes each rank sends when the algorithm's definition runs on every rank's support."""
     ranks = []
     for support in inp.supports:
@@ -44,7 +45,8 @@ def simulated_bytes(algorithm: str, inp: Inputs, transport: str, **options) -> l
         else:
             ranks.append(SimStream.pairs(inp.size, inp.capacity, support, np.ones(support.size)))
     # (On both MPI transports the dense-result algorithms run on the engine.)
-    t = Simulated(NPROCS, inp.size, wire="native" if algorithm in ENGINE_ALGORITHMS else transport)
+    t = Simulated(NPROCS, inp.size, wire="native" if algorithm in ENGINE_ALGORITHMS else transport,
+                  value_bytes=value_bytes)
     (definition(algorithm) if algorithm != "allgather" else lambda t, s: t.gather(s))(t, ranks, **options)
     return [float(np.float32(sent)) for sent in t.sent]
 
@@ -96,6 +98,18 @@ def test_bytes_sent_match_the_schedule(case, transport, algorithm):
     want = simulated_bytes(algorithm, inp, transport)
     failures = [] if got == want else [f"{algorithm}/{transport} {case}: bytes_sent per rank {got}, expected {want}"]
     agree_all(local + on_rank_0(failures), f"wire volume {algorithm}/{transport} {case}")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_bfloat16_values_on_the_wire(case, algorithm):
+    """value_dtype=bfloat16: every sum of these small integers is exact (bfloat16 holds them), and
+    every message carries 2 bytes per value: 6 per pair, 2 per dense entry."""
+    inp = case_inputs(case)
+    got, local = sent_by_every_rank(inp, algorithm=algorithm, value_dtype=jnp.bfloat16)
+    want = simulated_bytes(algorithm, inp, "native", value_bytes=2)
+    failures = [] if got == want else [f"{algorithm} {case}: bytes_sent per rank {got}, expected {want}"]
+    agree_all(local + on_rank_0(failures), f"bfloat16 wire {algorithm} {case}")
 
 
 @pytest.mark.skipif(NPROCS & (NPROCS - 1) != 0 or NPROCS < 2, reason="the closed forms assume P = 2^j")
