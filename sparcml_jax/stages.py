@@ -75,6 +75,7 @@ from sparcml_jax.collectives.global_topk import OktopkState, global_topk_allredu
 from sparcml_jax.collectives.global_topk import check_options as check_global_topk_options
 from sparcml_jax.collectives.nonblocking import sparse_allreduce_start, sparse_allreduce_wait
 from sparcml_jax.collectives.group import Group, check_group
+from sparcml_jax.collectives.validate import wire_bits
 from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
@@ -246,7 +247,8 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                    axis_name: Hashable | None = None, average: bool = True, quantize_bits: int | None = None, delta: float = 1.0,
                    bucket_size: int = 1024, quantize_scale: str = "max", cost_model: CostModel | None = None,
                    capacity: int | None = None, warmup_steps: int | jax.Array = 0, nonblocking: bool = False,
-                   seed: int = 0, quantize_feedback: bool = False) -> optax.GradientTransformation:
+                   seed: int = 0, quantize_feedback: bool = False,
+                   value_dtype: Any = None) -> optax.GradientTransformation:
     """Sums (or averages) the updates of every rank of ``comm`` (SparCML §4, §6, §7).
 
     Stream leaves are summed by :func:`sparcml_jax.sparse_allreduce` (``algorithm``,
@@ -272,6 +274,8 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         state's ``quantization_error``. Its ``init`` takes the packed parameters
         (:class:`~sparcml_jax.transform.LeafGroups`) to size it. The allgather phase's error is
         the same on every rank and left to QSGD's unbiasedness.
+      value_dtype: ``jnp.bfloat16``: the streams' values travel as bfloat16 (see
+        :func:`sparcml_jax.sparse_allreduce`); the small leaves' dense allreduce stays float32.
       capacity: a bound on the nonzeros of a rank's dense fused buffer (see above).
       warmup_steps: steps during which dense fused buffers travel dense; the stats then report
         algorithm -1 (pair with :func:`sparsify`'s ``warmup_steps``).
@@ -293,6 +297,11 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         raise ValueError(f"quantize_bits must be 2, 4, 8 or None, got {quantize_bits!r}")
     if quantize_bits is not None and algorithm not in ("auto", "dsar_split_allgather"):
         raise ValueError(f"quantize_bits needs algorithm 'auto' or 'dsar_split_allgather', got {algorithm!r}")
+    if value_dtype is not None and nonblocking:
+        raise ValueError(f"value_dtype={value_dtype!r} runs blocking reductions: drop buckets (nonblocking)")
+    if value_dtype is not None:
+        wire_bits(value_dtype, "native" if transport is None and axis_name is None else
+                  transport if axis_name is None else "xla")
     if quantize_feedback and (quantize_bits is None or nonblocking):
         raise ValueError("quantize_feedback feeds back QSGD's split-phase error: it needs quantize_bits and a "
                          f"blocking reduction (got quantize_bits={quantize_bits!r}, nonblocking={nonblocking!r})")
@@ -338,6 +347,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             fused = [x + e for x, e in zip(fused, state.quantization_error)]
         pending = [_prepare(x, warming, capacity, group, nonblocking) for x in fused]
         on_group = dict(collective, transport=group.transport(transport))
+        on_group = dict(on_group, value_dtype=value_dtype) if value_dtype is not None else on_group
         options = [dict(on_group, quantize_bits=quantize_bits, key=k, quantize_feedback=quantize_feedback)
                    for k in keys] + [dict(on_group, quantize_bits=None)] * len(given)
         streams = [stream for stream, _ in pending] + list(given)

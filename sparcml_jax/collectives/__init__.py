@@ -81,8 +81,9 @@ def sparse_allreduce(
       value_dtype: the values on the wire: ``jnp.float32`` (``None``, the default) or
         ``jnp.bfloat16`` (half the bytes of a value; pairs keep int32 indices): rounded to
         nearest even by their sender, who goes on with them as its peers receive them, and
-        summed in float32. Every algorithm, native transport, blocking calls; the dense
-        allreduce then runs as DSAR's two phases (MPI cannot sum bfloat16).
+        summed in float32; the result holds bfloat16 values, the same on every rank. Every
+        SparCML algorithm, native transport, blocking calls; the dense allreduce then runs as
+        DSAR's two phases (MPI cannot sum bfloat16).
       cost_model: the model ``"auto"`` chooses with; by default the file named by
         ``SPARCML_JAX_COST_MODEL``, else measured once per communicator (a named algorithm
         never measures it).
