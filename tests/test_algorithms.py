@@ -181,3 +181,16 @@ def test_quantized_auto_never_takes_the_float32_dense_allreduce():
     if any(name in ("dense", "sparse_ring") for _, name in rows):
         failures.append(f"auto with quantize_bits has the dense allreduce among its run-time choices: {rows}")
     assert not failures, failures
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_model_prices_bfloat16_values(algorithm):
+    """value_bits=16: 6 bytes per pair and 2 per dense entry, as the simulated wire counts them;
+    the dense allreduce as DSAR's two phases."""
+    n, p, k = 1 << 16, 4, 600
+    bf16, f32 = (MODEL.pricing(algorithm, size=n, nnz=k, nprocs=p, capacity=n, value_bits=b) for b in (16, 32))
+    if algorithm == "dense":
+        assert bf16.sent == pytest.approx(MODEL.pricing("dsar_split_allgather", size=n, nnz=k, nprocs=p, capacity=n,
+                                                        value_bits=16).sent)
+    else:
+        assert 0.5 * f32.sent <= bf16.sent <= 0.75 * f32.sent + 1e-6, (bf16.sent, f32.sent)

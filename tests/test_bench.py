@@ -86,7 +86,8 @@ def test_global_topk_sweep_beside_sparcml(tmp_path):
 def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):
     out = tmp_path / "in_step.json"
     result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "allreduce", "--quick", "--no-baselines",
-                                  "--calls-per-sample", "3", "--bits", "4", "--json", str(out)], timeout=240)
+                                  "--calls-per-sample", "3", "--bits", "4", "--bfloat16", "--json", str(out)],
+                              timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "3 calls per jitted program" in result.stdout
     rows = json.loads(out.read_text())
@@ -99,6 +100,12 @@ def test_quick_allreduce_sweep_with_calls_in_one_program(tmp_path):
         assert by["dsar_split_allgather/q4"]["quantize_bits"] == 4 and by["dsar_split_allgather"]["quantize_bits"] is None
         assert by["dsar_split_allgather/q4"]["bytes_sent_max"] < by["dsar_split_allgather"]["bytes_sent_max"]
         assert by["auto/q4"]["chosen"] in ("ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather")
+        # bfloat16 rows (native only): 2 bytes per value instead of 4.
+        native = {r["algorithm"]: r for r in rows if (r["N"], r["density"]) == cell and r["transport"] == "native"}
+        for name in ("ssar_recursive_doubling", "dsar_split_allgather"):
+            plain, half = native[name], native[f"{name}/bf16"]
+            assert half["value_bits"] == 16 and half["transport"] == "native"
+            assert 0.5 * plain["bytes_sent_max"] <= half["bytes_sent_max"] <= 0.75 * plain["bytes_sent_max"]
 
 
 def test_axis_benchmark_on_forced_devices(tmp_path):

@@ -141,11 +141,12 @@ def scenarios(kind: str) -> list[tuple[int, float, str]]:
 
 
 def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress=None, calls_per_sample=1,
-        model=None, global_topk=(), bits=()):
+        model=None, global_topk=(), bits=(), bfloat16=False):
     """The rows of every cell: each of ``algorithms`` (SparCML's) and ``global_topk`` on each of
     ``transports``, beside the dense baseline (and with ``baselines`` the allgather and mpi4py
     ones), each of those of ``algorithms`` that take QSGD once more per ``bits`` (labelled
-    ``"dsar_split_allgather/q4"``), and the cost model used for ``auto`` and the predictions."""
+    ``"dsar_split_allgather/q4"``), with ``bfloat16`` each on the native transport once more with
+    bfloat16 values (``"dense/bf16"``), and the cost model used for ``auto`` and the predictions."""
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm, model)
@@ -161,7 +162,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
             s = make_stream(size, k, support, rank, nprocs)
             x = s.to_dense()
         cases = _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines,
-                       sparcml_from_x=support == "topk", bits=bits)
+                       sparcml_from_x=support == "topk", bits=bits, bfloat16=bfloat16)
         stats, timed = _compiled_cases(cases, calls_per_sample)
         samples, faults, steal = _interleaved_samples(comm, timed, reps, calls_per_sample)
         cell = dict(P=nprocs, N=size, density=density, support=support, calls_per_sample=calls_per_sample,
@@ -173,7 +174,7 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
 
 
 def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines, sparcml_from_x=False,
-           bits=()) -> dict:
+           bits=(), bfloat16=False) -> dict:
     """(name, transport, timed from) -> (jittable call, its arguments), or (None, a call outside
     JAX). A call that reports stats returns ``(result, stats)``. ``timed from`` is ``"stream"``
     (the call gets this rank's stream ``s``) or ``"x"`` (the dense vector ``x``; with
@@ -191,13 +192,15 @@ def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines,
             lambda s: allgather_then_densify(s, comm=comm), (s,))
     key = jax.random.key(0)  # an operand of the call: the same cost as a fresh key every step
     for transport in transports:
-        for algorithm, b in [(a, None) for a in algorithms] + [(a, b) for b in bits for a in algorithms
-                                                                if a in QUANTIZING]:
-            def sparcml(s, a=algorithm, t=transport, b=b):
+        variants = ([(a, None, None) for a in algorithms] + [(a, b, None) for b in bits for a in algorithms
+                                                            if a in QUANTIZING]
+                    + [(a, None, jnp.bfloat16) for a in algorithms if bfloat16 and transport == "native"])
+        for algorithm, b, value_dtype in variants:
+            def sparcml(s, a=algorithm, t=transport, b=b, v=value_dtype):
                 return sparse_allreduce(s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True,
-                                        quantize_bits=b, key=None if b is None else key)
+                                        quantize_bits=b, key=None if b is None else key, value_dtype=v)
 
-            label = algorithm if b is None else f"{algorithm}/q{b}"
+            label = algorithm + ("" if b is None else f"/q{b}") + ("" if value_dtype is None else "/bf16")
             cases[(label, transport, "stream")] = (sparcml, (s,))
             if sparcml_from_x:
                 cases[(label, transport, "x")] = (lambda x, sparcml=sparcml: sparcml(topk(x, k)), (x,))
@@ -279,19 +282,22 @@ def _cell_rows(cell: dict, samples: dict, stats: dict, faults: dict, comm, model
         sparcml_stats = st is not None and not isinstance(st, GlobalTopkStats)
         chosen = ALGORITHMS[int(st.algorithm)] if sparcml_stats and int(st.algorithm) >= 0 else None
         sent = comm.allreduce(float(st.bytes_sent), op=MPI.MAX) if st is not None else None
-        algorithm, _, coded = name[0].partition("/q")
-        bits = int(coded) if coded else None
+        algorithm, _, variant = name[0].partition("/")
+        bits = int(variant[1:]) if variant.startswith("q") else None
+        value_bits = 16 if variant == "bf16" else 32
         if name[2] == "x" and (algorithm in ALGORITHMS or algorithm == "auto"):
             predicted = None  # the model prices the collective, not the selection before it
         elif algorithm in ALGORITHMS or algorithm == "auto":
             predicted = float(model.predict(chosen or algorithm, size=size, nnz=k, nprocs=nprocs,
-                                            transport=name[1], capacity=k, quantize_bits=bits))
+                                            transport=name[1], capacity=k, quantize_bits=bits,
+                                            value_bits=value_bits))
         elif name[0].startswith("dense") or name[0].startswith("mpi4py"):  # MPI_Allreduce of a dense vector
             predicted = model.dense_alpha + 4.0 * size * model.dense_beta if nprocs > 1 else 0.0
         else:
             predicted = None
         rows.append(dict(
-            cell, algorithm=name[0], quantize_bits=bits, transport=name[1], timed_from=name[2], chosen=chosen,
+            cell, algorithm=name[0], quantize_bits=bits, value_bits=value_bits if sparcml_stats else None,
+            transport=name[1], timed_from=name[2], chosen=chosen,
             median=float(np.median(times)), min=float(np.min(times)), max=float(np.max(times)),
             ratio_to_dense=float(np.median(times)) / dense_median,
             bytes_sent_max=sent, result_density=int(st.result_nnz) / size if st is not None else None,
@@ -331,6 +337,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bits", type=int, nargs="+", default=[], choices=QUANTIZE_BITS,
                         help="also run DSAR and auto (of --algorithms) with QSGD at these bits, in both phases "
                              "wherever they carry dense values (rows 'dsar_split_allgather/q4', 'auto/q4')")
+    parser.add_argument("--bfloat16", action="store_true",
+                        help="also run every algorithm on the native transport with bfloat16 values on the wire "
+                             "(rows 'dense/bf16', ...)")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--calls-per-sample", type=int, default=1, metavar="R",
                         help="time R calls in one jitted program (as inside a training step; JAX dispatches it "
@@ -414,6 +423,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = CostModel.load(args.cost_model) if args.cost_model else None
     rows, model = run(cells, args.algorithms, args.transports, args.reps, comm, baselines=not args.no_baselines,
                       calls_per_sample=args.calls_per_sample, model=model, global_topk=args.global_topk, bits=args.bits,
+                      bfloat16=args.bfloat16,
                       progress=_progress_bar if comm.Get_rank() == 0 else None)
     _report(args, rows, model, comm)
     return rows

@@ -36,7 +36,7 @@ def price(model: CostModel, plan: Plan, name: str, size: int, capacity: int, nnz
     """
     cost = float(model.predict(name, size=size, nnz=nnz, nprocs=plan.nprocs, transport=plan.transport,
                                capacity=capacity, quantize_bits=plan.quantize and plan.quantize.bits,
-                               delta=plan.delta))
+                               delta=plan.delta, value_bits=plan.value_bits))
     if plan.nprocs == 1 or not name.startswith("ssar"):
         return cost
     n = max(size, 1)

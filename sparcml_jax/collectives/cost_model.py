@@ -139,16 +139,18 @@ class CostModel:
         return self.latency(nprocs) + nbytes * self.beta
 
     def predict(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
-                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> float:
+                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0,
+                value_bits: int = 32) -> float:
         """Predicted seconds of one allreduce of streams of ``nnz`` nonzeros (the largest over
         ranks) and static ``capacity`` (default: ``size``). For a global top-k algorithm
         (``GLOBAL_TOPK_ALGORITHMS``) the input is every rank's dense accumulator and ``nnz`` is
         ``k``, the size of the result; its local selections are priced too."""
         return self.pricing(algorithm, size=size, nnz=nnz, nprocs=nprocs, transport=transport, capacity=capacity,
-                            quantize_bits=quantize_bits, delta=delta).seconds
+                            quantize_bits=quantize_bits, delta=delta, value_bits=value_bits).seconds
 
     def pricing(self, algorithm: str, *, size: int, nnz: float, nprocs: int, transport: str = "native",
-                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0) -> "Pricing":
+                capacity: int | None = None, quantize_bits: int | None = None, delta: float = 1.0,
+                value_bits: int = 32) -> "Pricing":
         """The algorithm's definition run on :class:`Pricing`: its seconds, bytes sent and staged elements."""
         from sparcml_jax.collectives._plan import ENGINE_ALGORITHMS, GLOBAL_TOPK_ALGORITHMS, Quantization, definition
 
@@ -161,7 +163,8 @@ class CostModel:
         # Whole static buffers: the mpi4jax and xla transports are priced as full as their capacities
         # allow.
         per_rank = capacity if transport in STATIC_BUFFER_TRANSPORTS else nnz
-        t = Pricing(self, size=size, nnz=per_rank, nprocs=nprocs, transport=transport, delta=delta)
+        t = Pricing(self, size=size, nnz=per_rank, nprocs=nprocs, transport=transport, delta=delta,
+                    value_bytes=value_bits // 8)
         if nprocs > 1:
             # QSGD codes DSAR's dense phases; the other algorithms send exact pairs.
             coded = quantize_bits and algorithm == "dsar_split_allgather"
@@ -223,8 +226,9 @@ class Pricing:
     nonblocking = False
 
     def __init__(self, model: CostModel, *, size: int, nnz: float, nprocs: int, transport: str, delta: float,
-                 target: int | None = None):
+                 target: int | None = None, value_bytes: int = 4):
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
+        self.value_bytes = float(value_bytes)  # of a value on the native wire (2: bfloat16)
         # A global top-k's k: the entries a carried threshold selects in all.
         self.target = target
         self.static = transport in STATIC_BUFFER_TRANSPORTS
@@ -293,7 +297,8 @@ class Pricing:
         once the capacity holds the dense vector)."""
         if self.static:
             return 8.0 + (4.0 * e.size if e.capacity >= e.size else 8.0 * e.capacity)
-        return 4.0 * e.size if e.dense_values else min(8.0 * self.count(e), 4.0 * e.size)
+        vb = self.value_bytes
+        return vb * e.size if e.dense_values else min((4.0 + vb) * self.count(e), vb * e.size)
 
     def _result_buffers(self, e: Estimate) -> float:
         """A result of capacity N: fresh length-N index and value buffers (values only for a
@@ -430,7 +435,7 @@ class Pricing:
         self.messages += math.ceil(math.log2(p))
         if dense or quantize is not None:
             # The dense allgather moves half the bytes of a dense allreduce.
-            value_bytes = 4.0 if quantize is None else quantize.bits / 8.0
+            value_bytes = self.value_bytes if quantize is None else quantize.bits / 8.0
             out = Estimate(n, n, p, dense_values=True)
             self._seconds += rounds + n * value_bytes * m.dense_beta / 2
             self._sent += (p - 1) * longest_part(n, p) * value_bytes
@@ -472,6 +477,8 @@ class Pricing:
         return whole
 
     def allreduce(self, s: Estimate) -> Estimate:
+        if self.value_bytes != 4.0:  # MPI cannot sum bfloat16: the engine runs DSAR's phases
+            return self.allgather(self.reduce_scatter(s, dense=True), dense=True)
         m = self.model
         out = Estimate(s.size, s.size, self.nprocs, dense_values=True)
         # A dense input is reduced from where it lies. Pairs are densified into the result (the
