@@ -67,7 +67,7 @@ class Interpreter {
   void AsOnTheWire(int64_t reg) {
     Stream& s = Reg(reg);
     int64_t count = s.dense ? s.n : s.nnz;
-    if (!call_.half() || count == 0 || call_.failed()) return;
+    if (!call_.half() || count == 0 || call_.failed() || s.as_sent) return;
     struct Rounded {
       std::shared_ptr<void> base;  // keeps the indices alive
       Scratch<float> val;
@@ -78,6 +78,7 @@ class Interpreter {
     RoundToBf16(rounded->val.data(), count);
     s.val = rounded->val.data();
     s.storage = rounded;
+    s.as_sent = true;
   }
 
   int32_t algorithm = -1;
@@ -633,6 +634,7 @@ class Interpreter {
         QuantizedAllgather(w.val, counts, displs, slot, bits, bucket, scale_kind);
       } else if (call_.half()) {
         HalfAllgather(w.val, counts, displs, slot);
+        out.as_sent = true;
       } else {
         MPI_Request request;
         if (std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; })) {
@@ -656,12 +658,12 @@ class Interpreter {
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = displs[p - 1] + counts[p - 1];
     Scratch<uint16_t> halves(std::max<int64_t>(n, 1));
-    for (int i = 0; i < counts[me]; ++i) halves[displs[me] + i] = Bf16Bits(values[displs[me] + i]);
+    ToBf16(values + displs[me], counts[me], halves.data() + displs[me]);
     MPI_Request request;
     MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_UINT16_T, halves.data(), counts.data(), displs.data(), MPI_UINT16_T,
                     call_.comm(), &request);
     call_.Await(&request, 1);
-    for (int64_t i = 0; i < n; ++i) values[i] = FromBf16(halves[i]);
+    FromBf16(halves.data(), n, values);
     call_.CountSent(2.0 * slot * (p - 1));
   }
 

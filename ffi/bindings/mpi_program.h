@@ -55,6 +55,7 @@ struct Stream {
   const int32_t* idx = nullptr;
   const float* val = nullptr;
   std::shared_ptr<void> storage;  // keeps idx and val alive (none: a view of the caller's buffers)
+  bool as_sent = false;           // on a bfloat16 wire: its values are as a message delivers them
 };
 
 // Where the result goes: the caller's output buffers (blocking path), or nowhere (the engine keeps it).

@@ -120,7 +120,7 @@ void Call::Send(int dest, Header h, const int32_t* idx, const float* val) {
   if (h.half && h.count > 0) {  // the bfloat16 values, kept until WaitSends
     auto halves = std::make_unique<Bytes>(bytes[1]);
     uint16_t* out = reinterpret_cast<uint16_t*>(halves->data());
-    for (int64_t i = 0; i < h.count; ++i) out[i] = Bf16Bits(val[i]);
+    ToBf16(val, h.count, out);
     pieces[1] = halves->data();
     send_buffers_.push_back(std::move(halves));
   }
@@ -281,7 +281,7 @@ void Call::Payload(int source, const Message& m, int32_t* idx, float* val) {
   Scratch<uint16_t> halves(h.half && val ? std::max<int64_t>(h.count, 0) : 0);
   if (h.half && val) pieces[1] = halves.data();
   Read(source, m, pieces, bytes, 2);
-  for (int64_t i = 0; h.half && val && i < h.count; ++i) val[i] = FromBf16(halves[i]);
+  if (h.half && val) FromBf16(halves.data(), h.count, val);
 }
 
 void Call::PayloadCoded(int source, const Message& m, char* codes) {

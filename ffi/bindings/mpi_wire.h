@@ -81,12 +81,12 @@ inline int64_t PayloadBytes(const Header& h) {
 }
 
 // float32 -> bfloat16 bits, rounded to nearest even (as XLA's convert); a NaN stays a NaN.
+// Branch-free, so that the loops over whole messages vectorize.
 inline uint16_t Bf16Bits(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof b);
-  if ((b & 0x7fffffffU) > 0x7f800000U) return static_cast<uint16_t>((b >> 16) | 0x40);
-  b += 0x7fffU + ((b >> 16) & 1);
-  return static_cast<uint16_t>(b >> 16);
+  uint32_t rounded = (b + 0x7fffU + ((b >> 16) & 1)) >> 16, nan = (b >> 16) | 0x40;
+  return static_cast<uint16_t>((b & 0x7fffffffU) > 0x7f800000U ? nan : rounded);
 }
 inline float FromBf16(uint16_t h) {
   uint32_t b = uint32_t{h} << 16;
@@ -97,6 +97,12 @@ inline float FromBf16(uint16_t h) {
 // Rounds values to what they become on a bfloat16 wire.
 inline void RoundToBf16(float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) v[i] = FromBf16(Bf16Bits(v[i]));
+}
+inline void ToBf16(const float* v, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Bf16Bits(v[i]);
+}
+inline void FromBf16(const uint16_t* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = FromBf16(h[i]);
 }
 
 inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_Fint>(handle)); }
