@@ -11,6 +11,12 @@ holds the same parameters.
 
     mpirun -n 4 python examples/flax_digits_cnn.py                          # every global top-k
     mpirun -n 4 python examples/flax_digits_cnn.py --algorithms dsar_split_allgather spardl
+
+Low precision: bfloat16 parameters and gradients, the whole gradient with bfloat16 values on the
+wire, or 4-bit QSGD on its dense phases:
+
+    mpirun -n 4 python examples/flax_digits_cnn.py --dtype bfloat16 --density none --algorithms auto \\
+        --value-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -33,15 +39,19 @@ import sparcml_jax
 
 
 class CNN(nn.Module):
-    """Two 3x3 convolutions, a 2x2 average pool and two dense layers: about 38 k parameters."""
+    """Two 3x3 convolutions, a 2x2 average pool and two dense layers: about 38 k parameters, in
+    ``dtype`` (parameters, activations and so gradients)."""
+
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(nn.Conv(16, (3, 3))(x))
-        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        layer = dict(dtype=self.dtype, param_dtype=self.dtype)
+        x = nn.relu(nn.Conv(16, (3, 3), **layer)(x.astype(self.dtype)))
+        x = nn.relu(nn.Conv(32, (3, 3), **layer)(x))
         x = nn.avg_pool(x, (2, 2), strides=(2, 2))
-        x = nn.relu(nn.Dense(64)(x.reshape(x.shape[0], -1)))
-        return nn.Dense(10)(x)
+        x = nn.relu(nn.Dense(64, **layer)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(10, **layer)(x).astype(jnp.float32)
 
 
 def load(seed: int):
@@ -63,7 +73,7 @@ def train(name: str, reducer: optax.GradientTransformation, data, args, comm: MP
     x_train, y_train, x_test, y_test = data
     per_rank = len(x_train) // nprocs
     x_mine, y_mine = x_train[rank * per_rank:(rank + 1) * per_rank], y_train[rank * per_rank:(rank + 1) * per_rank]
-    model = CNN()
+    model = CNN(jnp.dtype(args.dtype))
     params = model.init(jax.random.key(args.seed), x_test[:1])["params"]  # the same on every rank
     tx = optax.chain(reducer, optax.adam(args.lr))
     opt_state = tx.init(params)
@@ -104,7 +114,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--algorithms", nargs="+", default=list(sparcml_jax.GLOBAL_TOPK_ALGORITHMS),
                         choices=[*sparcml_jax.GLOBAL_TOPK_ALGORITHMS, *sparcml_jax.ALGORITHMS, "auto"],
                         help="allreduce_gradients(algorithm=...) runs, each beside the dense baseline")
-    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--density", type=lambda v: None if v == "none" else float(v), default=0.01,
+                        help="top-k fraction each rank sends, or 'none': the whole gradient (with SparCML's "
+                             "algorithms)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="of the parameters and gradients")
+    parser.add_argument("--value-dtype", default=None, choices=["bfloat16"],
+                        help="values on the wire as bfloat16 (SparCML's algorithms, native transport)")
+    parser.add_argument("--bits", type=int, default=None, help="QSGD bits on the dense phases (auto or DSAR)")
+    parser.add_argument("--quantize-feedback", action="store_true",
+                        help="with --density none and --bits: error feedback of QSGD's split phase")
     parser.add_argument("--min-size", type=int, default=1024, help="smaller leaves travel dense")
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank per step")
@@ -116,13 +135,19 @@ def main(argv=None) -> dict:
     data = load(args.seed)
 
     runs = {"dense": train("dense", sparcml_jax.dense_allreduce_gradients(), data, args, comm)}
+    low_precision = dict(quantize_bits=args.bits, quantize_feedback=args.quantize_feedback,
+                         value_dtype=args.value_dtype and jnp.dtype(args.value_dtype))
+    low_precision = {k: v for k, v in low_precision.items() if v}
     for algorithm in args.algorithms:
-        reducer = sparcml_jax.allreduce_gradients(density=args.density, algorithm=algorithm, min_size=args.min_size)
-        runs[algorithm] = train(f"top-k {args.density:.0%} {algorithm}", reducer, data, args, comm)
+        reducer = sparcml_jax.allreduce_gradients(density=args.density, algorithm=algorithm, min_size=args.min_size,
+                                                  **low_precision)
+        what = "every entry" if args.density is None else f"top-k {args.density:.0%}"
+        runs[algorithm] = train(f"{what} {algorithm}", reducer, data, args, comm)
     if comm.Get_rank() == 0:
         dense = runs["dense"]
-        print(f"\nP = {comm.Get_size()}, {args.epochs} epochs, batch {args.batch} per rank; parameters identical "
-              "on every rank after every epoch")
+        wire = ", ".join(f"{k}={v}" for k, v in low_precision.items()) or "float32 values"
+        print(f"\nP = {comm.Get_size()}, {args.epochs} epochs, batch {args.batch} per rank, {args.dtype} parameters, "
+              f"{wire}; parameters identical on every rank after every epoch")
         print(f"{'run':>22s}  {'test acc':>8s}  {'gap (points)':>12s}  {'step (ms)':>9s}  {'vs dense':>8s}  "
               f"{'kB/step/rank':>12s}  {'result density':>14s}")
         for name, run in runs.items():

@@ -615,7 +615,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         out_given = [_averaged(total, nprocs, average) for total, *_ in exact]
         reduced_dense = dense_sum(dense, group, average)
         counts = [(nnz, sent, c) for _, _, _, nnz, sent, c in summed] + [
-            (st.result_nnz.astype(jnp.float32), st.bytes_sent, st.algorithm) for _, st, _ in exact]
+            (st.result_nnz.astype(jnp.float32), st.bytes_sent, st.algorithm) for _, st, *_ in exact]
         stats = _gathered_stats(counts, [x.shape[0] for x in fused] + [s.size for s in given], len(fused))
         new_residual = None
         if error_feedback:

@@ -33,9 +33,9 @@ enum Op : int64_t {
                        // c: 1 + operand of a run-time threshold (then only entries of at least its magnitude)
   kAddLocal = 13,      // a + b on this rank: a: register, b: register
   kResidual = 14,      // a: input, b: held, c: result; dense: b where c is nonzero, a elsewhere
-  kWire = 16,          // a: bits of the values on the wire from here on (16: bfloat16; 32, the default: float32)
   kNonzeros = 15,      // a: a dense register, as its nonzeros' pairs unless their count reaches the threshold;
                        // b: a NonzerosStep
+  kWire = 16,          // a: bits of the values on the wire from here on (16: bfloat16; 32, the default: float32)
 };
 // kNonzeros in one step, or counted before a choice (a dense register whose nnz is its count) and
 // compacted in the branches that take pairs, so that the dense allreduce reads the vector as it is.

@@ -311,7 +311,7 @@ BAD_ARGUMENTS = {
                         "quantize_bits must be one of (2, 4, 8)"),
     "quantize_bits without key": (dict(algorithm="dsar_split_allgather", quantize_bits=4), "quantize_bits needs key"),
     "quantize_bits with SSAR": (dict(algorithm="ssar_recursive_doubling", quantize_bits=4, key=jax.random.key(0)),
-                                "quantize_bits applies to the dense phase"),
+                                "quantize_bits codes the dense phases"),
 }
 
 

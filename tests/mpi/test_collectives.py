@@ -424,23 +424,30 @@ def ramp_inputs() -> Inputs:
     return inp
 
 
+def coding_cases() -> list[Inputs]:
+    return [inputs("full", 1.0, "random"), inputs("full", 0.5, "unequal"), inputs("full", 0.01, "random"),
+            ramp_inputs()]
+
+
+def travels_dense(inp: Inputs):
+    """Whether rank r's segment for range o travels as a dense slice (so, with QSGD, coded): its
+    count reaches the range's dense threshold."""
+    def coded(r: int, o: int) -> bool:
+        lo, hi = part_bounds(inp.size, NPROCS, o)
+        return np.count_nonzero(inp.rows[r, lo:hi]) >= dense_threshold(hi - lo)
+    return coded
+
+
 @pytest.mark.parametrize("transport,quantize_bits", QUANT_CASES)
 def test_quantized_dsar_equals_its_reference(transport, quantize_bits):
     """Both phases coded as specified (tests/quantized_dsar_reference.py), bit for bit: a segment
     is coded exactly when it travels as a dense slice (its count reaches the dense threshold), so
     sparse segments stay exact pairs; the owners sum in float32 in rank order."""
     failures = []
-    cases = [inputs("full", 1.0, "random"), inputs("full", 0.5, "unequal"), inputs("full", 0.01, "random"),
-             ramp_inputs()]
-    for step, inp in enumerate(cases):
+    for step, inp in enumerate(coding_cases()):
         label = f"q{quantize_bits}/{transport} {inp}"
         key = jax.random.fold_in(jax.random.key(99), step)
-        n = inp.size
-
-        def coded(r, o, inp=inp):
-            lo, hi = part_bounds(n, NPROCS, o)
-            return np.count_nonzero(inp.rows[r, lo:hi]) >= dense_threshold(hi - lo)
-
+        coded = travels_dense(inp)
         want = quantized_dsar_reference(inp.rows, key, bits=quantize_bits, bucket=QUANT_BUCKET, coded=coded)
         try:
             out = sparse_allreduce(inp.stream, algorithm="dsar_split_allgather", transport=transport,
@@ -464,17 +471,11 @@ def test_quantize_feedback_returns_what_the_split_phase_lost(transport):
     balance: the result plus every rank's error is the exact sum, to the allgather's coding
     (every rank decodes the same bytes there, so that error is shared and left unbiased)."""
     failures = []
-    cases = [inputs("full", 1.0, "random"), inputs("full", 0.5, "unequal"), inputs("full", 0.01, "random"),
-             ramp_inputs()]
-    for step, inp in enumerate(cases):
+    for step, inp in enumerate(coding_cases()):
         label = f"feedback/{transport} {inp}"
         key = jax.random.fold_in(jax.random.key(41), step)
         n = inp.size
-
-        def coded(r, o, inp=inp):
-            lo, hi = part_bounds(n, NPROCS, o)
-            return np.count_nonzero(inp.rows[r, lo:hi]) >= dense_threshold(hi - lo)
-
+        coded = travels_dense(inp)
         try:
             out, error, stats = sparse_allreduce(inp.stream, algorithm="dsar_split_allgather", transport=transport,
                                                  quantize_bits=4, key=key, bucket_size=QUANT_BUCKET,
