@@ -418,17 +418,50 @@ class Interpreter {
     AfterRound(dst, dest >= 0 || source >= 0);
   }
 
+  // QSGD works through a slice in chunks of about this many values, and between chunks lets MPI
+  // move the messages already posted: a large send over TCP flows only while its rank calls
+  // into MPI, so coding without these calls leaves the link idle.
+  static constexpr int64_t kCodingChunk = int64_t{1} << 16;
+
+  template <class Fn>
+  void InChunks(int64_t count, Coding coding, Fn&& fn) {
+    int64_t align = sparcml_qsgd_alignment(coding.bucket, coding.bits);
+    int64_t step = std::max<int64_t>(1, kCodingChunk / align) * align;
+    for (int64_t first = 0; first < count && error_.empty(); first += step) {
+      fn(first, std::min(step, count - first));
+      call_.Progress();
+    }
+  }
+
   // A dense slice's QSGD codes as they travel: the bucket scales, then the packed codes.
   Bytes Encode(const float* values, int64_t count, Coding coding, uint32_t salt) {
     int64_t nscales = sparcml_qsgd_num_buckets(count, coding.bucket);
     Bytes out(4 * nscales + sparcml_qsgd_packed_bytes(count, coding.bits));
-    char err[SPARCML_ERRLEN] = {0};
-    if (sparcml_qsgd_quantize(values, count, coding.bits, coding.bucket, coding.scale_kind, args_.key[0],
-                              args_.key[1] ^ salt, reinterpret_cast<uint8_t*>(out.data() + 4 * nscales),
-                              reinterpret_cast<float*>(out.data()), err)) {
-      Fail(err);
-    }
+    InChunks(count, coding, [&](int64_t first, int64_t c) {
+      char err[SPARCML_ERRLEN] = {0};
+      if (sparcml_qsgd_quantize_range(values, count, first, c, coding.bits, coding.bucket, coding.scale_kind,
+                                      args_.key[0], args_.key[1] ^ salt,
+                                      reinterpret_cast<uint8_t*>(out.data() + 4 * nscales),
+                                      reinterpret_cast<float*>(out.data()), err)) {
+        Fail(err);
+      }
+    });
     return out;
+  }
+
+  // The first `length` values of `codes` (from Encode, of a slice of at least `length` values):
+  // decoded into out[0..length), or with `add` added to it.
+  void Decode(const Bytes& codes, int64_t coded_length, int64_t length, Coding coding, bool add, float* out) {
+    int64_t nscales = sparcml_qsgd_num_buckets(coded_length, coding.bucket);
+    const uint8_t* packed = reinterpret_cast<const uint8_t*>(codes.data() + 4 * nscales);
+    const float* scales = reinterpret_cast<const float*>(codes.data());
+    InChunks(length, coding, [&](int64_t first, int64_t c) {
+      char err[SPARCML_ERRLEN] = {0};
+      if ((add ? sparcml_qsgd_accumulate_range : sparcml_qsgd_dequantize_range)(packed, scales, length, first, c,
+                                                                                coding.bits, coding.bucket, out, err)) {
+        Fail(err);
+      }
+    });
   }
 
   // Over the whole vector: each coded range's values minus their decoded codes, zeros elsewhere.
@@ -442,32 +475,30 @@ class Interpreter {
     for (int q = 0; q < p && !call_.failed(); ++q) {
       if (codes[q].empty()) continue;
       int64_t lo = PartStart(s.n, p, q), length = PartStart(s.n, p, q + 1) - lo;
-      int64_t nscales = sparcml_qsgd_num_buckets(length, coding.bucket);
-      char err[SPARCML_ERRLEN] = {0};
-      sparcml_qsgd_dequantize(reinterpret_cast<const uint8_t*>(codes[q].data() + 4 * nscales),
-                              reinterpret_cast<const float*>(codes[q].data()), length, coding.bits, coding.bucket,
-                              w.val + lo, err);
+      Decode(codes[q], length, length, coding, false, w.val + lo);
       for (int64_t i = 0; i < length; ++i) w.val[lo + i] = ranges[q].val[i] - w.val[lo + i];
     }
     out.nnz = s.n;
     return out;
   }
 
-  // A coded dense slice of `length` values, decoded into float32.
-  Stream Decoded(int source, const Call::Message& m, int64_t length, Coding coding) {
+  // The codes of a coded dense slice of `length` values: the bucket scales, then the packed codes.
+  Bytes ReceivedCodes(int source, const Call::Message& m, int64_t length, Coding coding) {
     Bytes codes(m.h.coded);
     call_.PayloadCoded(source, m, codes.data());
+    if (m.h.count != length ||
+        m.h.coded != 4 * sparcml_qsgd_num_buckets(length, coding.bucket) + sparcml_qsgd_packed_bytes(length, coding.bits)) {
+      throw std::runtime_error("a coded segment of the wrong size arrived");
+    }
+    return codes;
+  }
+
+  // The decoded values of `codes` as a dense stream of `length` values.
+  Stream Decoded(const Bytes& codes, int64_t length, Coding coding) {
     Stream out;
     out.capacity = length;
     Writable w = Allocate(out, -1, length, 0, true);
-    int64_t nscales = sparcml_qsgd_num_buckets(length, coding.bucket);
-    char err[SPARCML_ERRLEN] = {0};
-    if (m.h.count != length || m.h.coded != 4 * nscales + sparcml_qsgd_packed_bytes(length, coding.bits) ||
-        sparcml_qsgd_dequantize(reinterpret_cast<const uint8_t*>(codes.data() + 4 * nscales),
-                                reinterpret_cast<const float*>(codes.data()), length, coding.bits, coding.bucket,
-                                w.val, err)) {
-      throw std::runtime_error("a coded segment of the wrong size arrived: " + std::string(err));
-    }
+    Decode(codes, length, length, coding, false, w.val);
     out.nnz = length;
     return out;
   }
@@ -496,12 +527,17 @@ class Interpreter {
       }
     }
     std::vector<Stream> segments(p);
+    std::vector<Bytes> coded(p);  // decoded as they are summed, in rank order
     segments[me] = AsStream(RangeOf(s, lo, lo + length), length, length);
     for (std::vector<int> pending = Peers(); !pending.empty();) {
       int q = 0;
       Call::Message m = call_.ReceiveFirst(&pending, &q);
-      segments[q] = m.h.coded > 0 && !call_.failed() ? Decoded(q, m, length, coding)
-                                                       : Received(q, m, length, m.h.count, -1);
+      if (m.h.coded > 0 && !call_.failed()) {
+        coded[q] = ReceivedCodes(q, m, length, coding);
+        if (!dense_slice) segments[q] = Decoded(coded[q], length, coding);
+      } else {
+        segments[q] = Received(q, m, length, m.h.count, -1);
+      }
     }
     if (error >= 0) Reg(error) = CodingError(s, ranges, codes, coding);
     call_.WaitSends();
@@ -516,8 +552,11 @@ class Interpreter {
         w = Allocate(out, dst, length, 0, true);
       }
       std::memset(w.val, 0, length * sizeof(float));
-      for (const Stream& g : segments) {  // in rank order
-        if (g.dense) {
+      for (int r = 0; r < p; ++r) {  // in rank order
+        const Stream& g = segments[r];
+        if (!coded[r].empty()) {
+          Decode(coded[r], length, length, coding, true, w.val);
+        } else if (g.dense) {
           for (int64_t i = 0; i < length; ++i) w.val[i] += g.val[i];
         } else {
           for (int64_t j = 0; j < g.nnz; ++j) w.val[g.idx[j]] += g.val[j];
@@ -668,32 +707,28 @@ class Interpreter {
   }
 
   // Every rank QSGD-codes its slice (zero-padded to the slot), the codes travel, and every rank
-  // decodes the same bytes, so all ranks hold identical results.
+  // decodes the same bytes, so all ranks hold identical results. A peer's slice is decoded as it
+  // arrives, while the others' are still on the wire.
   void QuantizedAllgather(float* values, const std::vector<int>& counts, const std::vector<int>& displs, int slot,
                           int bits, int64_t bucket, int scale_kind) {
+    if (slot == 0) return;
     int p = call_.nprocs(), me = call_.rank();
-    int64_t nbytes = sparcml_qsgd_packed_bytes(slot, bits), nscales = sparcml_qsgd_num_buckets(slot, bucket);
-    Scratch<float> padded(std::max(slot, 1));
-    std::fill(padded.begin(), padded.end(), 0.0f);
+    Coding coding{bits, bucket, scale_kind};
+    std::vector<float> padded(slot, 0.0f);
     std::copy(values + displs[me], values + displs[me] + counts[me], padded.begin());
-    Scratch<uint8_t> packed(std::max<int64_t>(nbytes * p, 1));
-    Scratch<float> scales(std::max<int64_t>(nscales * p, 1));
-    char err[SPARCML_ERRLEN] = {0};
-    if (slot > 0 && sparcml_qsgd_quantize(padded.data(), slot, bits, bucket, scale_kind, args_.key[0], args_.key[1],
-                                          packed.data() + nbytes * me, scales.data() + nscales * me, err)) {
-      Fail(err);
+    Bytes mine = Encode(padded.data(), slot, coding, 0);
+    for (int i = 1; i < p; ++i) {  // a ring order, as in ReduceScatter
+      Header h = call_.Make(slot, true);
+      h.coded = static_cast<int32_t>(mine.size());
+      call_.SendCoded((me + i) % p, h, mine.data());
     }
-    MPI_Request requests[2];
-    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, packed.data(), static_cast<int>(nbytes), MPI_BYTE, call_.comm(),
-                   &requests[0]);
-    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_FLOAT, scales.data(), static_cast<int>(nscales), MPI_FLOAT, call_.comm(),
-                   &requests[1]);
-    call_.Await(requests, 2);
-    for (int r = 0; r < p; ++r)
-      if (counts[r] > 0)
-        sparcml_qsgd_dequantize(packed.data() + nbytes * r, scales.data() + nscales * r, counts[r], bits, bucket,
-                                values + displs[r], err);
-    call_.CountSent(static_cast<double>(nbytes + 4 * nscales) * (p - 1));
+    Decode(mine, slot, counts[me], coding, false, values + displs[me]);
+    for (std::vector<int> pending = Peers(); !pending.empty();) {
+      int q = 0;
+      Call::Message m = call_.ReceiveFirst(&pending, &q);
+      Decode(ReceivedCodes(q, m, slot, coding), slot, counts[q], coding, false, values + displs[q]);
+    }
+    call_.WaitSends();
   }
 
   void Allreduce(int64_t dst, int64_t src) {

@@ -162,6 +162,11 @@ void Call::WaitSends() {
   send_buffers_.clear();
 }
 
+void Call::Progress() {
+  int done = 0;
+  if (!sends_.empty()) MPI_Testall(static_cast<int>(sends_.size()), sends_.data(), &done, MPI_STATUSES_IGNORE);
+}
+
 void Call::Await(MPI_Request* requests, int count) {
   if (count == 0) return;
   if (!background_) {

@@ -153,6 +153,8 @@ class Call {
   // Posts a message whose payload is the `h.coded` bytes at `codes` (valid until WaitSends).
   void SendCoded(int dest, Header h, const char* codes);
   void WaitSends();
+  // Lets MPI move the posted sends along without waiting for them (between chunks of work).
+  void Progress();
   // The next message from `source`: its header (and its payload when that travels inline).
   // Checks the signature and takes the flags; throws Aborted on an abort notice or a mismatch.
   struct Message {

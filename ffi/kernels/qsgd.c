@@ -260,50 +260,64 @@ static inline float decode_one(uint32_t code, int L, float Lf, float scale) {
   return (b & 0x7fffffffU) < MIN_NORMAL_BITS ? float_of_bits(b & 0x80000000U) : o;
 }
 
-/* Decodes elements [first, first + m) into out[0..m): a head up to a byte boundary, whole
- * bytes, then a tail. */
-#define DEFINE_DECODE(BITS)                                                                          \
-  SPARCML_HOT static void decode_##BITS(const uint8_t *packed, int64_t first, int64_t m, float scale, \
-                                        float *out) {                                                \
-    enum { K = 8 / BITS, MASK = (1 << BITS) - 1, L = (1 << (BITS - 1)) - 1 };                        \
-    const float Lf = (float)L;                                                                       \
-    int64_t i = first, end = first + m;                                                              \
-    for (; i < end && i % K != 0; ++i)                                                               \
-      out[i - first] = decode_one((packed[i / K] >> ((i % K) * BITS)) & MASK, L, Lf, scale);         \
-    int64_t body_bytes = (end - i) / K;                                                              \
-    const uint8_t *p = packed + i / K;                                                               \
-    float *o = out + (i - first);                                                                    \
-    for (int64_t b = 0; b < body_bytes; ++b) {                                                       \
-      uint32_t byte = p[b];                                                                          \
-      for (int j = 0; j < K; ++j) o[b * K + j] = decode_one((byte >> (j * BITS)) & MASK, L, Lf, scale); \
-    }                                                                                                \
-    for (i += body_bytes * K; i < end; ++i)                                                          \
-      out[i - first] = decode_one((packed[i / K] >> ((i % K) * BITS)) & MASK, L, Lf, scale);         \
+/* Decodes elements [first, first + m) into out[0..m) (`out[j] = decoded`, or with ACC
+ * `out[j] += decoded`): a head up to a byte boundary, whole bytes, then a tail. */
+#define STORE_0(o, v) ((o) = (v))
+#define STORE_1(o, v) ((o) += (v))
+#define DEFINE_DECODE(NAME, BITS, ACC)                                                                  \
+  SPARCML_HOT static void NAME(const uint8_t *packed, int64_t first, int64_t m, float scale, float *out) { \
+    enum { K = 8 / BITS, MASK = (1 << BITS) - 1, L = (1 << (BITS - 1)) - 1 };                           \
+    const float Lf = (float)L;                                                                          \
+    int64_t i = first, end = first + m;                                                                 \
+    for (; i < end && i % K != 0; ++i)                                                                  \
+      STORE_##ACC(out[i - first], decode_one((packed[i / K] >> ((i % K) * BITS)) & MASK, L, Lf, scale)); \
+    int64_t body_bytes = (end - i) / K;                                                                 \
+    const uint8_t *p = packed + i / K;                                                                  \
+    float *o = out + (i - first);                                                                       \
+    for (int64_t b = 0; b < body_bytes; ++b) {                                                          \
+      uint32_t byte = p[b];                                                                             \
+      for (int j = 0; j < K; ++j) STORE_##ACC(o[b * K + j], decode_one((byte >> (j * BITS)) & MASK, L, Lf, scale)); \
+    }                                                                                                   \
+    for (i += body_bytes * K; i < end; ++i)                                                             \
+      STORE_##ACC(out[i - first], decode_one((packed[i / K] >> ((i % K) * BITS)) & MASK, L, Lf, scale)); \
   }
 
-DEFINE_DECODE(2)
-DEFINE_DECODE(4)
-DEFINE_DECODE(8)
+DEFINE_DECODE(decode_2, 2, 0)
+DEFINE_DECODE(decode_4, 4, 0)
+DEFINE_DECODE(decode_8, 8, 0)
+DEFINE_DECODE(accumulate_2, 2, 1)
+DEFINE_DECODE(accumulate_4, 4, 1)
+DEFINE_DECODE(accumulate_8, 8, 1)
 
-int sparcml_qsgd_dequantize_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
-                                  int64_t count, int bits, int64_t bucket, float *out, char *err) {
+static int decode_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first, int64_t count,
+                        int bits, int64_t bucket, int accumulate, float *out, char *err) {
   if (sparcml_qsgd_check(n, bits, bucket, -1, err)) return 1;
   if (check_range(n, first, count, bits, bucket, err)) return 1;
   const int64_t end = first + count;
   for (int64_t start = first, b = first / bucket; start < end; start += bucket, ++b) {
     int64_t m = end - start < bucket ? end - start : bucket;
-    float scale = scales[b];
+    float scale = scales[b], *o = out + start;
     if (!isfinite(scale)) {
-      for (int64_t j = 0; j < m; ++j) out[start + j] = NAN;
+      for (int64_t j = 0; j < m; ++j) o[j] = NAN;
     } else if (bits == 2) {
-      decode_2(packed, start, m, scale, out + start);
+      (accumulate ? accumulate_2 : decode_2)(packed, start, m, scale, o);
     } else if (bits == 4) {
-      decode_4(packed, start, m, scale, out + start);
+      (accumulate ? accumulate_4 : decode_4)(packed, start, m, scale, o);
     } else {
-      decode_8(packed, start, m, scale, out + start);
+      (accumulate ? accumulate_8 : decode_8)(packed, start, m, scale, o);
     }
   }
   return 0;
+}
+
+int sparcml_qsgd_dequantize_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
+                                  int64_t count, int bits, int64_t bucket, float *out, char *err) {
+  return decode_range(packed, scales, n, first, count, bits, bucket, 0, out, err);
+}
+
+int sparcml_qsgd_accumulate_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
+                                  int64_t count, int bits, int64_t bucket, float *out, char *err) {
+  return decode_range(packed, scales, n, first, count, bits, bucket, 1, out, err);
 }
 
 int sparcml_qsgd_dequantize(const uint8_t *packed, const float *scales, int64_t n, int bits, int64_t bucket,

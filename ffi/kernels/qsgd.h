@@ -73,6 +73,11 @@ int sparcml_qsgd_quantize_range(const float *x, int64_t n, int64_t first, int64_
 int sparcml_qsgd_dequantize_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
                                   int64_t count, int bits, int64_t bucket, float *out, char *err);
 
+/* out[i] += the decoded value i, for i in the range: the same float32 additions as decoding into
+ * a buffer and adding that, without the buffer (a bucket with a non-finite scale gives NaN). */
+int sparcml_qsgd_accumulate_range(const uint8_t *packed, const float *scales, int64_t n, int64_t first,
+                                  int64_t count, int bits, int64_t bucket, float *out, char *err);
+
 #ifdef __cplusplus
 }
 #endif
