@@ -9,7 +9,9 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, RANK, run_and_agree, training_checks
+from _util import COMM, RANK, run_and_agree, training_checks, transform_checks
+
+pytestmark = transform_checks
 
 tree_get = optax.tree_utils.tree_get
 

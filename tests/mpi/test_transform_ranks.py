@@ -12,10 +12,12 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, RANK, run_and_agree, training_checks
+from _util import COMM, RANK, run_and_agree, training_checks, transform_checks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
+
+pytestmark = transform_checks
 
 
 def _params():
