@@ -224,18 +224,16 @@ def native_program(plan: Plan, algorithm: str, model: CostModel | None, size: in
     stream ``dense`` by construction has a static count). With ``nonzeros`` it runs on the
     nonzeros of a dense vector (:func:`nonzeros_allreduce`)."""
     record = functools.partial(native.record, rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta, size=size,
-                               capacity=capacity)
+                               capacity=capacity, value_bits=plan.value_bits)
     rows = [(capacity, algorithm)] if algorithm != "auto" else _choices(plan, model, size, capacity, dense)
     if len(rows) == 1:
         name = rows[0][1]
         program = record(definition(name), code=ALGORITHMS.index(name), **plan.options(name))
         # The dense allreduce sums the values whatever their count.
-        program = native.on_nonzeros(program) if nonzeros and name != "dense" else program
-    else:
-        program = native.record_choice([(bound, ALGORITHMS.index(name), definition(name), plan.options(name))
-                                        for bound, name in rows], rank=plan.rank, nprocs=plan.nprocs,
-                                       delta=plan.delta, size=size, capacity=capacity, nonzeros=nonzeros)
-    return native.on_bfloat16_wire(program) if plan.value_bits == 16 else program
+        return native.on_nonzeros(program) if nonzeros and name != "dense" else program
+    return native.record_choice([(bound, ALGORITHMS.index(name), definition(name), plan.options(name))
+                                 for bound, name in rows], rank=plan.rank, nprocs=plan.nprocs, delta=plan.delta,
+                                size=size, capacity=capacity, nonzeros=nonzeros, value_bits=plan.value_bits)
 
 
 def _choices(plan: Plan, model: CostModel | None, size: int, capacity: int,

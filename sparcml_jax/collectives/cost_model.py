@@ -229,6 +229,7 @@ class Pricing:
                  target: int | None = None, value_bytes: int = 4):
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
         self.value_bytes = float(value_bytes)  # of a value on the native wire (2: bfloat16)
+        self.value_bits = 8 * int(value_bytes)
         # A global top-k's k: the entries a carried threshold selects in all.
         self.target = target
         self.static = transport in STATIC_BUFFER_TRANSPORTS
@@ -477,8 +478,8 @@ class Pricing:
         return whole
 
     def allreduce(self, s: Estimate) -> Estimate:
-        if self.value_bytes != 4.0:  # MPI cannot sum bfloat16: the engine runs DSAR's phases
-            return self.allgather(self.reduce_scatter(s, dense=True), dense=True)
+        if self.value_bytes != 4.0:
+            raise ValueError("MPI cannot sum bfloat16: the dense definition runs DSAR's phases instead")
         m = self.model
         out = Estimate(s.size, s.size, self.nprocs, dense_values=True)
         # A dense input is reduced from where it lies. Pairs are densified into the result (the

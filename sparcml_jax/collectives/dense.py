@@ -10,6 +10,7 @@ import jax
 import mpi4jax
 from mpi4py import MPI
 
+from sparcml_jax.collectives.dsar_split_allgather import dsar_split_allgather
 from sparcml_jax.comm import S, Transport, resolve_comm
 
 
@@ -36,4 +37,6 @@ def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None, axis_name: Ha
 
 
 def dense(t: Transport[S], s: S) -> S:
+    if t.value_bits != 32:  # MPI cannot sum bfloat16: DSAR's two dense phases, whose sums stay float32
+        return dsar_split_allgather(t, s)
     return t.allreduce(s)

@@ -43,6 +43,8 @@ class Transport(Protocol[S]):
       nprocs: ranks taking part.
       size: length of the vector being reduced.
       delta: SparCML's dense switch: a stream of N entries is dense once ``8 nnz >= delta 4 N``.
+      value_bits: bits of a value on the wire: 32, or 16 for bfloat16, which :meth:`allreduce`
+        (MPI's sum) cannot carry.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Transport(Protocol[S]):
     nprocs: int
     size: int
     delta: float
+    value_bits: int
 
     def exchange(self, s: S, pairs: Sequence[tuple[int, int]], *, combine: Combine, keep: bool = True) -> S:
         """Every (source, dest) pair: ``source`` sends its stream to ``dest``, which adds it to

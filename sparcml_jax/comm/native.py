@@ -112,8 +112,9 @@ class Recorder:
     variable_length = True
     nonblocking = True
 
-    def __init__(self, rank: int, nprocs: int, delta: float, size: int, counter: list[int] | None = None):
-        self.rank, self.nprocs, self.delta, self.size = rank, nprocs, delta, size
+    def __init__(self, rank: int, nprocs: int, delta: float, size: int, counter: list[int] | None = None,
+                 value_bits: int = 32):
+        self.rank, self.nprocs, self.delta, self.size, self.value_bits = rank, nprocs, delta, size, value_bits
         self.code: list[int] = []
         self._counter = counter if counter is not None else [1]  # register 0 is the input
 
@@ -253,11 +254,22 @@ class Recorder:
         return out
 
 
+def _program_recorder(rank: int, nprocs: int, delta: float, size: int, counter: list[int],
+                      value_bits: int) -> Recorder:
+    """The recorder of a whole program. On a bfloat16 wire its first instruction makes every
+    message carry its values as bfloat16 (rounded to nearest even; sums stay float32), and a rank
+    keeps what it sends as its peers receive it, so every rank ends with the same result."""
+    rec = Recorder(rank, nprocs, delta, size, counter, value_bits)
+    if value_bits == 16:
+        rec.emit(WIRE, 0, 0, 16)
+    return rec
+
+
 def record(algorithm: Callable[..., Register], *, rank: int, nprocs: int, delta: float, size: int, capacity: int,
-           code: int, **options: Any) -> Program:
+           code: int, value_bits: int = 32, **options: Any) -> Program:
     """Records ``algorithm(transport, stream, **options)`` for this rank (a global top-k returns
-    its result and its residual)."""
-    rec = Recorder(rank, nprocs, delta, size)
+    its result and its residual), its values on a wire of ``value_bits`` (32, or 16: bfloat16)."""
+    rec = _program_recorder(rank, nprocs, delta, size, [1], value_bits)
     out = algorithm(rec, Register(0, size, capacity), **options)
     out, residual = out if isinstance(out, tuple) else (out, None)
     return Program(tuple(rec.code), out.id, size, out.capacity, code, -1 if residual is None else residual.id,
@@ -265,7 +277,7 @@ def record(algorithm: Callable[..., Register], *, rank: int, nprocs: int, delta:
 
 
 def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dict]], *, rank: int, nprocs: int,
-                  delta: float, size: int, capacity: int, nonzeros: bool = False) -> Program:
+                  delta: float, size: int, capacity: int, nonzeros: bool = False, value_bits: int = 32) -> Program:
     """A program that agrees on the largest nnz over ranks, then runs the first of ``choices``
     ((bound, code, algorithm, options)) whose bound covers it; the result has the largest capacity.
 
@@ -273,13 +285,13 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
     agreement and compacted only in a branch other than the dense allreduce (code 0), which sums
     it as it lies; the result is its n dense values."""
     counter = [1]
-    rec = Recorder(rank, nprocs, delta, size, counter)
+    rec = _program_recorder(rank, nprocs, delta, size, counter, value_bits)
     if nonzeros:
         rec.emit(NONZEROS, 0, capacity, 0, COUNT_ONLY)
     rec.emit(AGREE, 0, 0, 0)
     branches = []
     for bound, code, algorithm, options in choices:
-        sub = Recorder(rank, nprocs, delta, size, counter)
+        sub = Recorder(rank, nprocs, delta, size, counter, value_bits)
         if nonzeros and code != 0:
             sub.emit(NONZEROS, 0, capacity, 0, COMPACT_COUNTED)
         out = algorithm(sub, Register(0, size, capacity), **options)
@@ -300,13 +312,6 @@ def record_choice(choices: Sequence[tuple[int, int, Callable[..., Register], dic
         rec.code += sub.code
     return Program(tuple(rec.code), result.id, size, result.capacity, -1, -1 if residual is None else residual.id,
                    dense=dense)
-
-
-def on_bfloat16_wire(program: Program) -> Program:
-    """``program`` with its messages' values as bfloat16 (rounded to nearest even; sums stay
-    float32). A rank keeps what it sends as its peers receive it, so every rank ends with the same
-    result; MPI_Allreduce, which cannot sum bfloat16, becomes DSAR's two dense phases."""
-    return dataclasses.replace(program, code=(WIRE, 0, 0, 16, 0, 0, 0, 0) + program.code)
 
 
 def on_nonzeros(program: Program) -> Program:

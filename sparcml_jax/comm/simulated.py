@@ -86,8 +86,8 @@ class Simulated:
       nprocs, size, delta: as for a real transport.
       wire: ``"native"`` (payloads: 8 bytes per pair or 4 per dense entry) or ``"mpi4jax"``
         (whole static buffers with their 8-byte headers).
-      value_bytes: bytes of a value on the native wire: 4 (float32) or 2 (bfloat16; the dense
-        allreduce then runs as DSAR's two phases). Values are not rounded here.
+      value_bytes: bytes of a value on the native wire: 4 (float32) or 2 (bfloat16). Values are
+        not rounded here.
     """
 
     name = "simulated"
@@ -96,6 +96,7 @@ class Simulated:
 
     def __init__(self, nprocs: int, size: int, delta: float = 1.0, wire: str = "native", value_bytes: int = 4):
         self.nprocs, self.size, self.delta, self.wire, self.value_bytes = nprocs, size, delta, wire, value_bytes
+        self.value_bits = 8 * value_bytes
         self.sent = [0.0] * nprocs
 
     # --------------------------------------------------------------------------- rules
@@ -246,8 +247,8 @@ class Simulated:
 
     def allreduce(self, s: Ranks) -> Ranks:
         n, p = self.size, self.nprocs
-        if self.value_bytes != 4:  # MPI cannot sum bfloat16: the engine runs DSAR's phases
-            return self.allgather(self.reduce_scatter(s, dense=True), dense=True)
+        if self.value_bytes != 4:
+            raise ValueError("MPI cannot sum bfloat16: the dense definition runs DSAR's phases instead")
         self.sent = [sent + 2 * (p - 1) / p * 4 * n for sent in self.sent]
         total = sum(x.to_dense() for x in s)
         return [SimStream(n, n, None, total.copy()) for _ in range(p)]

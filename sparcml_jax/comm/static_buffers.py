@@ -63,6 +63,7 @@ class StaticBuffers:
     size: int
     nprocs: int
     axes: frozenset = frozenset()  # the mesh axes its values vary over (the XLA transport's)
+    value_bits = 32  # (bfloat16 values travel on the native engine only)
 
     def _cond(self, pred, true_fun, false_fun, *operands):
         return cond_varying(pred, true_fun, false_fun, *operands, axes=self.axes)
