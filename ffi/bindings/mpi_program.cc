@@ -425,6 +425,11 @@ class Interpreter {
 
   template <class Fn>
   void InChunks(int64_t count, Coding coding, Fn&& fn) {
+    char err[SPARCML_ERRLEN] = {0};
+    if (sparcml_qsgd_check(count, coding.bits, coding.bucket, -1, err)) {
+      Fail(err);
+      return;
+    }
     int64_t align = sparcml_qsgd_alignment(coding.bucket, coding.bits);
     int64_t step = std::max<int64_t>(1, kCodingChunk / align) * align;
     for (int64_t first = 0; first < count && error_.empty(); first += step) {
@@ -465,7 +470,7 @@ class Interpreter {
   }
 
   // Over the whole vector: each coded range's values minus their decoded codes, zeros elsewhere.
-  Stream CodingError(const Stream& s, const std::vector<Range>& ranges, const std::vector<Bytes>& codes,
+  Stream CodingError(const Stream& s, const std::vector<Range>& ranges, const std::vector<SharedBytes>& codes,
                      Coding coding) {
     Stream out;
     out.capacity = s.n;
@@ -473,9 +478,9 @@ class Interpreter {
     std::memset(w.val, 0, s.n * sizeof(float));
     int p = call_.nprocs();
     for (int q = 0; q < p && !call_.failed(); ++q) {
-      if (codes[q].empty()) continue;
+      if (!codes[q]) continue;
       int64_t lo = PartStart(s.n, p, q), length = PartStart(s.n, p, q + 1) - lo;
-      Decode(codes[q], length, length, coding, false, w.val + lo);
+      Decode(*codes[q], length, length, coding, false, w.val + lo);
       for (int64_t i = 0; i < length; ++i) w.val[lo + i] = ranges[q].val[i] - w.val[lo + i];
     }
     out.nnz = s.n;
@@ -513,15 +518,15 @@ class Interpreter {
     int p = call_.nprocs(), me = call_.rank();
     int64_t n = s.n, lo = PartStart(n, p, me), length = PartStart(n, p, me + 1) - lo;
     std::vector<Range> ranges(p);
-    std::vector<Bytes> codes(p);
+    std::vector<SharedBytes> codes(p);
     for (int i = 1; i < p; ++i) {  // a ring order: every rank starts with a different peer
       int q = (me + i) % p;
       ranges[q] = RangeOf(s, PartStart(n, p, q), PartStart(n, p, q + 1));
       Header h = ranges[q].header;
       if (coding.bits && h.dense && h.count > 0) {
-        codes[q] = Encode(ranges[q].val, h.count, coding, SegmentSalt(q));
-        h.coded = static_cast<int32_t>(codes[q].size());
-        call_.SendCoded(q, h, codes[q].data());
+        codes[q] = std::make_shared<const Bytes>(Encode(ranges[q].val, h.count, coding, SegmentSalt(q)));
+        h.coded = static_cast<int32_t>(codes[q]->size());
+        call_.SendCoded(q, h, codes[q]);
       } else {
         call_.Send(q, h, ranges[q].idx, ranges[q].val);
       }
@@ -716,17 +721,21 @@ class Interpreter {
     Coding coding{bits, bucket, scale_kind};
     std::vector<float> padded(slot, 0.0f);
     std::copy(values + displs[me], values + displs[me] + counts[me], padded.begin());
-    Bytes mine = Encode(padded.data(), slot, coding, 0);
-    for (int i = 1; i < p; ++i) {  // a ring order, as in ReduceScatter
+    auto mine = std::make_shared<const Bytes>(Encode(padded.data(), slot, coding, 0));
+    for (int i = 1; i < p; ++i) {  // a ring order, as in ReduceScatter; a failed rank sends its flags only
       Header h = call_.Make(slot, true);
-      h.coded = static_cast<int32_t>(mine.size());
-      call_.SendCoded((me + i) % p, h, mine.data());
+      h.coded = static_cast<int32_t>(mine->size());
+      call_.SendCoded((me + i) % p, h, mine);
     }
-    Decode(mine, slot, counts[me], coding, false, values + displs[me]);
+    if (!call_.failed()) Decode(*mine, slot, counts[me], coding, false, values + displs[me]);
     for (std::vector<int> pending = Peers(); !pending.empty();) {
       int q = 0;
       Call::Message m = call_.ReceiveFirst(&pending, &q);
-      Decode(ReceivedCodes(q, m, slot, coding), slot, counts[q], coding, false, values + displs[q]);
+      if (call_.failed()) {
+        call_.Payload(q, m, nullptr, nullptr);
+      } else {
+        Decode(ReceivedCodes(q, m, slot, coding), slot, counts[q], coding, false, values + displs[q]);
+      }
     }
     call_.WaitSends();
   }

@@ -127,8 +127,9 @@ void Call::Send(int dest, Header h, const int32_t* idx, const float* val) {
   Post(dest, h, pieces, bytes, 2);
 }
 
-void Call::SendCoded(int dest, Header h, const char* codes) {
-  const void* pieces[1] = {codes};
+void Call::SendCoded(int dest, Header h, SharedBytes codes) {
+  const void* pieces[1] = {codes->data()};
+  held_.push_back(std::move(codes));
   int64_t bytes[1] = {h.coded};
   Post(dest, h, pieces, bytes, 1);
 }
@@ -160,6 +161,7 @@ void Call::WaitSends() {
   Await(sends_.data(), static_cast<int>(sends_.size()));
   sends_.clear();
   send_buffers_.clear();
+  held_.clear();
 }
 
 void Call::Progress() {

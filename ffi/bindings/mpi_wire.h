@@ -57,6 +57,7 @@ struct NoInit : std::allocator<T> {
 template <class T>
 using Scratch = std::vector<T, NoInit<T>>;
 using Bytes = Scratch<char>;
+using SharedBytes = std::shared_ptr<const Bytes>;
 
 enum Kind : int32_t { kData = 1, kAbort = 2 };
 // Error flags, ORed along the schedule.
@@ -150,8 +151,9 @@ class Call {
   Header Make(int64_t count, bool dense) const;
   // Posts a message to `dest` (payload `idx` (pairs only) and `val`, valid until WaitSends).
   void Send(int dest, Header h, const int32_t* idx, const float* val);
-  // Posts a message whose payload is the `h.coded` bytes at `codes` (valid until WaitSends).
-  void SendCoded(int dest, Header h, const char* codes);
+  // Posts a message whose payload is the `h.coded` bytes of `codes`, held until WaitSends (or
+  // the end of the call, should it unwind first).
+  void SendCoded(int dest, Header h, SharedBytes codes);
   void WaitSends();
   // Lets MPI move the posted sends along without waiting for them (between chunks of work).
   void Progress();
@@ -216,6 +218,7 @@ class Call {
   std::vector<int> payloads_due_;
   std::vector<MPI_Request> sends_;
   std::vector<std::unique_ptr<Bytes>> send_buffers_;
+  std::vector<SharedBytes> held_;
 };
 
 }  // namespace sparcml

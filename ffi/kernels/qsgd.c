@@ -298,7 +298,7 @@ static int decode_range(const uint8_t *packed, const float *scales, int64_t n, i
     int64_t m = end - start < bucket ? end - start : bucket;
     float scale = scales[b], *o = out + start;
     if (!isfinite(scale)) {
-      for (int64_t j = 0; j < m; ++j) o[j] = NAN;
+      for (int64_t j = 0; j < m; ++j) o[j] = accumulate ? o[j] + NAN : NAN;
     } else if (bits == 2) {
       (accumulate ? accumulate_2 : decode_2)(packed, start, m, scale, o);
     } else if (bits == 4) {
