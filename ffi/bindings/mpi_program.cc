@@ -438,10 +438,16 @@ class Interpreter {
     }
   }
 
-  // A dense slice's QSGD codes as they travel: the bucket scales, then the packed codes.
+  // Bytes of the codes of a dense slice of `count` values, as they travel: the float32 bucket
+  // scales, then the packed codes.
+  static int64_t CodedBytes(int64_t count, Coding coding) {
+    return 4 * sparcml_qsgd_num_buckets(count, coding.bucket) + sparcml_qsgd_packed_bytes(count, coding.bits);
+  }
+
+  // A dense slice's QSGD codes (CodedBytes).
   Bytes Encode(const float* values, int64_t count, Coding coding, uint32_t salt) {
     int64_t nscales = sparcml_qsgd_num_buckets(count, coding.bucket);
-    Bytes out(4 * nscales + sparcml_qsgd_packed_bytes(count, coding.bits));
+    Bytes out(CodedBytes(count, coding));
     InChunks(count, coding, [&](int64_t first, int64_t c) {
       char err[SPARCML_ERRLEN] = {0};
       if (sparcml_qsgd_quantize_range(values, count, first, c, coding.bits, coding.bucket, coding.scale_kind,
@@ -487,12 +493,11 @@ class Interpreter {
     return out;
   }
 
-  // The codes of a coded dense slice of `length` values: the bucket scales, then the packed codes.
+  // The codes of a coded dense slice of `length` values (CodedBytes).
   Bytes ReceivedCodes(int source, const Call::Message& m, int64_t length, Coding coding) {
     Bytes codes(m.h.coded);
     call_.PayloadCoded(source, m, codes.data());
-    if (m.h.count != length ||
-        m.h.coded != 4 * sparcml_qsgd_num_buckets(length, coding.bucket) + sparcml_qsgd_packed_bytes(length, coding.bits)) {
+    if (m.h.count != length || m.h.coded != CodedBytes(length, coding)) {
       throw std::runtime_error("a coded segment of the wrong size arrived");
     }
     return codes;
@@ -532,14 +537,14 @@ class Interpreter {
       }
     }
     std::vector<Stream> segments(p);
-    std::vector<Bytes> coded(p);  // decoded as they are summed, in rank order
+    std::vector<Bytes> received(p);  // coded segments, decoded as they are summed, in rank order
     segments[me] = AsStream(RangeOf(s, lo, lo + length), length, length);
     for (std::vector<int> pending = Peers(); !pending.empty();) {
       int q = 0;
       Call::Message m = call_.ReceiveFirst(&pending, &q);
       if (m.h.coded > 0 && !call_.failed()) {
-        coded[q] = ReceivedCodes(q, m, length, coding);
-        if (!dense_slice) segments[q] = Decoded(coded[q], length, coding);
+        received[q] = ReceivedCodes(q, m, length, coding);
+        if (!dense_slice) segments[q] = Decoded(received[q], length, coding);
       } else {
         segments[q] = Received(q, m, length, m.h.count, -1);
       }
@@ -559,8 +564,8 @@ class Interpreter {
       std::memset(w.val, 0, length * sizeof(float));
       for (int r = 0; r < p; ++r) {  // in rank order
         const Stream& g = segments[r];
-        if (!coded[r].empty()) {
-          Decode(coded[r], length, length, coding, true, w.val);
+        if (!received[r].empty()) {
+          Decode(received[r], length, length, coding, true, w.val);
         } else if (g.dense) {
           for (int64_t i = 0; i < length; ++i) w.val[i] += g.val[i];
         } else {

@@ -229,7 +229,6 @@ class Pricing:
                  target: int | None = None, value_bytes: int = 4):
         self.model, self.n, self.nprocs, self.delta = model, size, nprocs, delta
         self.value_bytes = float(value_bytes)  # of a value on the native wire (2: bfloat16)
-        self.value_bits = 8 * int(value_bytes)
         # A global top-k's k: the entries a carried threshold selects in all.
         self.target = target
         self.static = transport in STATIC_BUFFER_TRANSPORTS
@@ -243,6 +242,10 @@ class Pricing:
         # A rank that takes no part in an exchange pads its stream to the new capacity; XLA drops
         # the padding if the stream is replaced before it is used.
         self._padding = [0.0] * nprocs
+
+    @property
+    def value_bits(self) -> int:
+        return 8 * int(self.value_bytes)
 
     @property
     def seconds(self) -> float:

@@ -96,8 +96,11 @@ class Simulated:
 
     def __init__(self, nprocs: int, size: int, delta: float = 1.0, wire: str = "native", value_bytes: int = 4):
         self.nprocs, self.size, self.delta, self.wire, self.value_bytes = nprocs, size, delta, wire, value_bytes
-        self.value_bits = 8 * value_bytes
         self.sent = [0.0] * nprocs
+
+    @property
+    def value_bits(self) -> int:
+        return 8 * self.value_bytes
 
     # --------------------------------------------------------------------------- rules
 
