@@ -346,6 +346,8 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                                 "sparsified (top-k segments travel as exact pairs: leave quantize_feedback off)")
             fused = [x + e for x, e in zip(fused, state.quantization_error)]
         pending = [_prepare(x, warming, capacity, group, nonblocking) for x in fused]
+        fused = [x.astype(VALUE_DTYPE) if stream is not None and not is_stream(x) else x
+                 for x, (stream, _) in zip(fused, pending)]
         on_group = dict(collective, transport=group.transport(transport))
         on_group = dict(on_group, value_dtype=value_dtype) if value_dtype is not None else on_group
         options = [dict(on_group, quantize_bits=quantize_bits, key=k, quantize_feedback=quantize_feedback)
@@ -357,13 +359,15 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             blocking_only = ("transport", "quantize_feedback")
             handles = [sparse_allreduce_start(s, comm=group.comm, **{n: v for n, v in o.items() if n not in blocking_only})
                        for s, o in zip(streams, options)]
-            results = [(*sparse_allreduce_wait(h, return_stats=True), None) for h in handles]
+            results = [(_averaged(total, nprocs, average), stats, None)
+                       for total, stats in (sparse_allreduce_wait(h, return_stats=True) for h in handles)]
             errors = ()
         else:
-            reduced = [_reduce_one(s, v, when, group, o) for s, v, when, o in zip(streams, vectors, send_dense, options)]
+            reduced = [_reduce_one(s, v, when, group, o, average)
+                       for s, v, when, o in zip(streams, vectors, send_dense, options)]
             results = [r[:3] for r in reduced]
             errors = tuple(r[3] for r in reduced[:len(fused)]) if quantize_feedback else ()
-        out = [_averaged(r, nprocs, average) for r, _, _ in results]
+        out = [r for r, _, _ in results]
         sizes = [x.size if is_stream(x) else x.shape[0] for x in fused] + [s.size for s in given]
         stats = _stats(sizes, results, len(fused), warming)
         new_state = ReduceState(state.count + 1, key, stats, errors)
@@ -410,12 +414,14 @@ def split_like(flat: jax.Array, like: list[tuple[tuple[int, ...], Any]]) -> list
 
 def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Group, nonblocking: bool):
     """The stream a fused buffer travels as, and when (if ever) it travels dense instead; None
-    for a buffer whose nonzeros the collective finds itself (:func:`nonzeros_allreduce`)."""
+    for a buffer whose nonzeros the collective finds itself (:func:`nonzeros_allreduce`, which
+    alone takes a bfloat16 buffer as it is)."""
     if is_stream(x):
         return x, None
     n = x.shape[0]
     if capacity is None and warming is None and not nonblocking:
         return None, None
+    x = x.astype(VALUE_DTYPE)
     if capacity is not None and capacity < n:
         stream, count = from_dense_counted(x, capacity)
         too_many = group.max(count) > capacity
@@ -427,20 +433,21 @@ def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Gro
 
 
 def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.Array | None, group: Group,
-                options: dict) -> tuple[Any, Any, jax.Array | None, jax.Array | None]:
-    """(sum, its AllreduceStats, whether it went dense, the split phase's coding error with
-    ``quantize_feedback`` else None); with ``send_dense`` the sum is dense."""
+                options: dict, average: bool) -> tuple[Any, Any, jax.Array | None, jax.Array | None]:
+    """(sum, or mean with ``average``; its AllreduceStats; whether it went dense; the split
+    phase's coding error with ``quantize_feedback`` else None); with ``send_dense`` the sum is dense."""
     feedback = options.get("quantize_feedback", False)
 
     def with_error(out):  # (sum, [error,] stats) -> (sum, stats, error)
         return (out[0], out[-1], out[1] if feedback else None)
 
-    if stream is None:
-        total, stats, error = with_error(nonzeros_allreduce(vector, **group.where, return_stats=True, **options))
+    if stream is None:  # (a bfloat16 mean is rounded once, from the float32 one)
+        total, stats, error = with_error(nonzeros_allreduce(vector, **group.where, average=average,
+                                                            return_stats=True, **options))
         return total, stats, None, error
     if send_dense is None:
         total, stats, error = with_error(sparse_allreduce(stream, **group.where, return_stats=True, **options))
-        return total, stats, None, error
+        return _averaged(total, group.size, average), stats, None, error
     nprocs, n = group.size, vector.shape[0]
 
     def dense_path():
@@ -453,7 +460,7 @@ def _reduce_one(stream: SparseStream, vector: jax.Array | None, send_dense: jax.
         return reduced.to_dense(), stats.result_nnz.astype(jnp.float32), stats.bytes_sent, stats.algorithm, error
 
     total, nnz, sent, code, error = group.cond(send_dense, dense_path, sparse_path)
-    return total, _Counted(nnz, sent, code), send_dense, error
+    return _averaged(total, nprocs, average), _Counted(nnz, sent, code), send_dense, error
 
 
 class _Counted(NamedTuple):
@@ -605,14 +612,15 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
         dense, fused, given = _buffers(packed)
         warming = warming_up(state.count, warmup_steps)
-        summed = [_global_topk_sum(x, kb, carried, warming, group, on_group, code)
+        summed = [_global_topk_sum(x.astype(VALUE_DTYPE), kb, carried, warming, group, on_group, code)
                   for x, kb, carried in zip(fused, budgets(fused), state.oktopk or [None] * len(fused))]
         # Exact sums of the gradient's streams; over a mesh axis, without a cost model, SSAR_Split_allgather.
         exact_algorithm = "auto" if axis_name is None else "ssar_split_allgather"
         exact = [_reduce_one(s, None, None, group, dict(options, algorithm=exact_algorithm,
-                                                        transport=group.transport(transport))) for s in given]
+                                                        transport=group.transport(transport)), average)
+                 for s in given]
         out_fused = [_averaged(total, nprocs, average) for total, *_ in summed]
-        out_given = [_averaged(total, nprocs, average) for total, *_ in exact]
+        out_given = [total for total, *_ in exact]
         reduced_dense = dense_sum(dense, group, average)
         counts = [(nnz, sent, c) for _, _, _, nnz, sent, c in summed] + [
             (st.result_nnz.astype(jnp.float32), st.bytes_sent, st.algorithm) for _, st, *_ in exact]
@@ -696,9 +704,10 @@ def densify() -> optax.GradientTransformation:
     """Turns reduced streams back into dense updates of the parameters' shapes and dtypes.
 
     The fused buffers of a :class:`~sparcml_jax.transform.LeafGroups` are cut back into their
-    leaves; the streams the gradient brought stay streams (for :func:`sparcml_jax.lazy`). In an
-    ordinary pytree every stream leaf becomes dense, shaped like the matching leaf of
-    ``params`` (which must then be passed).
+    leaves, in the gradient's dtypes or, given ``params``, in theirs (error feedback sums a
+    bfloat16 gradient in float32); the streams the gradient brought stay streams (for
+    :func:`sparcml_jax.lazy`). In an ordinary pytree every stream leaf becomes dense, shaped like
+    the matching leaf of ``params`` (which must then be passed).
 
     Example:
       >>> import jax.numpy as jnp
@@ -711,7 +720,11 @@ def densify() -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         if hasattr(updates, "unpack"):
-            return updates.unpack(cast=True, treedef=True), state
+            out = updates.unpack(cast=True, treedef=True)
+            if params is not None:
+                out = jax.tree.map(lambda u, p: u if is_stream(u) else u.astype(jnp.result_type(p)), out, params,
+                                   is_leaf=is_stream)
+            return out, state
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
         if any(is_stream(x) for x in leaves) and params is None:
             raise ValueError("densify: pass params to update, so that stream leaves get the parameters' shapes")

@@ -94,7 +94,8 @@ class LeafGroups:
 
     Attributes:
       dense: the small leaves, each as it was (they travel in one dense allreduce).
-      fused: one flat float32 buffer per group, or the stream a sparsifier made of it.
+      fused: one flat buffer per group (bfloat16 when all its leaves are, else float32), or the
+        stream a sparsifier made of it.
       given: the gradient's own :class:`SparseStream` leaves (summed exactly).
       plan: static: the :class:`LeafPlan`.
       like: static: every leaf's shape and dtype (a stream leaf's: ``None``).
@@ -137,7 +138,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
     """Packs the gradient into :class:`LeafGroups` and applies ``inner`` to its fused buffers.
 
     Like ``optax.flatten(inner)``, for a plan of groups (:func:`plan_leaves`): ``inner`` sees
-    the tuple of flat float32 buffers (at init: of the parameters) and typically sparsifies them,
+    the tuple of flat buffers (:func:`fused_dtype`; at init: of the parameters) and typically sparsifies them,
     so that top-k picks across the layers of a group. Follow with :func:`reduce_streams` and
     :func:`densify`.
 
@@ -164,8 +165,8 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
                              "pass buckets=None")
         plan = plan_leaves([x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves], kinds,
                            min_size=min_size, fuse=fuse, buckets=buckets)
-        fused = tuple(jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i], VALUE_DTYPE)) for i in group])
-                      for group in plan.groups)
+        fused = tuple(jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i], fused_dtype([leaves[j] for j in group])))
+                                       for i in group]) for group in plan.groups)
         like = tuple(None if s else (jnp.shape(x), jnp.result_type(x)) for x, s in zip(leaves, kinds))
         return LeafGroups(tuple(leaves[i] for i in plan.small), fused, tuple(leaves[i] for i in plan.streams),
                           plan, like, treedef)
@@ -182,6 +183,13 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         return dataclasses.replace(groups, fused=tuple(fused)), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def fused_dtype(leaves: list) -> Any:
+    """A group's buffer: bfloat16 when every leaf is (so that a bfloat16 model's gradient goes
+    to the allreduce without a float32 copy), else float32."""
+    bfloat16 = all(jnp.result_type(x) == jnp.bfloat16 for x in leaves)
+    return jnp.bfloat16 if bfloat16 else VALUE_DTYPE
 
 
 class AllreduceGradientsState(NamedTuple):
@@ -261,7 +269,10 @@ def allreduce_gradients(
       value_dtype: ``jnp.bfloat16``: the gradient's values travel as bfloat16, sparse pairs
         included (half a float32 value's bytes; sums stay float32; the small leaves' allreduce
         stays float32); native transport, no ``buckets``. See
-        :func:`sparcml_jax.sparse_allreduce`.
+        :func:`sparcml_jax.sparse_allreduce`. Independently of it, a bfloat16 gradient without
+        ``density``/``k`` goes to the native engine in bfloat16 buffers, with no float32 copy
+        (:func:`sparcml_jax.nonzeros_allreduce`); error feedback, ``capacity``, warm-up and
+        ``buckets`` sum a float32 copy. Given ``params``, the updates take their dtypes.
       algorithm: SparCML's, passed to :func:`sparcml_jax.sparse_allreduce` (``"auto"`` or one of
         ``sparcml_jax.ALGORITHMS``), or a global top-k allreduce (one of
         ``sparcml_jax.GLOBAL_TOPK_ALGORITHMS``: ``"spardl"``, ``"oktopk"``, ``"gtopk"``). A

@@ -196,6 +196,23 @@ def test_runs_in_one_jitted_step_with_donated_buffers():
                for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(params)))
 
 
+@pytest.mark.parametrize("value_dtype", [None, jnp.bfloat16])
+def test_bfloat16_gradients_reach_the_engine_without_a_float32_copy(value_dtype):
+    """A bfloat16 model's fused gradient goes to the native engine as bfloat16 and comes back so:
+    the update program holds no float32 array of the fused buffer's length."""
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params_tree())  # fused: w and head[0], 1410 entries
+    tx = allreduce_gradients(value_dtype=value_dtype, min_size=100)
+    grads = jax.tree.map(lambda p: p + 0.5, params)
+    program = jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
+    fused = 40 * 30 + 30 * 7
+    assert f"tensor<{fused}xbf16>" in program
+    assert f"tensor<{fused}xf32>" not in program
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+    for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads)):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(g, np.float32))
+
+
 @pytest.mark.parametrize("buckets", [None, 1])
 def test_warmup_sends_dense(buckets):
     params = {"w": jnp.zeros(4096)}

@@ -14,6 +14,7 @@
 //    before any later op in program order, including any op the blocked rank's peers wait on.
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -29,6 +30,7 @@
 
 namespace {
 
+using sparcml::Length;
 using sparcml::ProgramArgs;
 using sparcml::ProgramResult;
 using sparcml::Stream;
@@ -75,6 +77,42 @@ Stream InputStream(const int32_t* idx, const float* val, int64_t nnz, int64_t ca
   return s;
 }
 
+// run's value buffers hold float32 or bfloat16. The engine sums in float32: bfloat16 values are
+// widened on the way in and the result rounded to nearest even on the way out, so that a bfloat16
+// gradient needs no float32 copy in the caller's program.
+bool HalfValues(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::BF16; }
+
+bool ValueType(const ffi::AnyBuffer& b) {
+  return b.element_type() == ffi::DataType::F32 || b.element_type() == ffi::DataType::BF16;
+}
+const ffi::Error kValueType = ffi::Error::InvalidArgument("stream values must be float32 or bfloat16");
+
+// The first `count` input values as float32: the buffer itself, or its bfloat16 values widened into `widened`.
+const float* InputValues(const ffi::AnyBuffer& val, int64_t count, sparcml::Scratch<float>* widened) {
+  if (!HalfValues(val)) return val.typed_data<float>();
+  count = std::clamp<int64_t>(count, 0, Length(val));
+  widened->resize(count);
+  sparcml::FromBf16(val.typed_data<uint16_t>(), count, widened->data());
+  return widened->data();
+}
+
+// Where the engine writes the result's values: the caller's float32 buffer, or `staged` (then
+// StoreValues rounds it into the caller's bfloat16 buffer).
+float* ResultValues(ffi::Result<ffi::AnyBuffer>& rval, sparcml::Scratch<float>* staged) {
+  if (!HalfValues(*rval)) return rval->typed_data<float>();
+  staged->resize(Length(*rval));
+  return staged->data();
+}
+// An average, before a bfloat16 result's one rounding: the sum times the float32 reciprocal, as
+// XLA's CPU backend divides by a constant, so that it equals `sum / P` in the caller's program.
+void Divide(float* values, int64_t n, float divisor) {
+  const float reciprocal = 1.0f / divisor;
+  for (int64_t i = 0; i < n; ++i) values[i] *= reciprocal;
+}
+void StoreValues(const sparcml::Scratch<float>& staged, ffi::Result<ffi::AnyBuffer>& rval) {
+  if (HalfValues(*rval)) sparcml::ToBf16(staged.data(), Length(*rval), rval->typed_data<uint16_t>());
+}
+
 int RankOf(MPI_Comm comm) {
   int rank = 0;
   MPI_Comm_rank(comm, &rank);
@@ -86,14 +124,15 @@ ffi::Error Failure(const std::string& what, int rank, const std::string& error) 
 }
 
 // --- run: the blocking call.
-ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::AnyBuffer val, ffi::BufferR0<ffi::S32> nnz,
                    ffi::Buffer<ffi::U32> key, ffi::Token, ffi::ResultBuffer<ffi::S32> ridx,
-                   ffi::ResultBuffer<ffi::F32> rval, ffi::ResultBufferR0<ffi::S32> rnnz,
+                   ffi::Result<ffi::AnyBuffer> rval, ffi::ResultBufferR0<ffi::S32> rnnz,
                    ffi::ResultBufferR0<ffi::S32> ralgorithm, ffi::ResultBufferR0<ffi::F32> rsent,
                    ffi::ResultBufferR0<ffi::S32> rdense_round, ffi::ResultBuffer<ffi::F32> rresidual,
                    ffi::Result<ffi::Token>, int64_t comm, int64_t n, double delta, ffi::Span<const int64_t> program,
                    int64_t result, int64_t algorithm, ffi::Span<const int64_t> signature, int64_t hash,
-                   std::string_view fields, int64_t rejected, int64_t residual) {
+                   std::string_view fields, int64_t rejected, int64_t residual, double divisor) {
+  if (!ValueType(val) || !ValueType(*rval)) return kValueType;
   sparcml::Channels& channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
   ProgramArgs args = MakeArgs(channels.blocking, channels.blocking_calls++, false, n, delta, program, result, algorithm,
                               signature, hash, fields, rejected, key);
@@ -101,10 +140,11 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
   int rank = RankOf(channels.blocking);
   std::string input_error;
   int64_t count = nnz.typed_data()[0];
-  Stream input = InputStream(idx.typed_data(), val.typed_data(), count,
-                             sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n), n, rank,
+  sparcml::Scratch<float> widened, staged;
+  Stream input = InputStream(idx.typed_data(), InputValues(val, count, &widened), count,
+                             sparcml::StreamCapacity(idx.element_count(), Length(val), count, n), n, rank,
                              &input_error);
-  sparcml::Output out{ridx->typed_data(), rval->typed_data(), static_cast<int64_t>(rval->element_count()),
+  sparcml::Output out{ridx->typed_data(), ResultValues(rval, &staged), Length(*rval),
                       static_cast<int64_t>(ridx->element_count())};
   ProgramResult r = sparcml::RunProgram(args, input, input_error, out);
   if (!r.error.empty()) return Failure("sparse collective", rank, r.error);
@@ -115,6 +155,8 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::Bu
   }
   if (result >= 0) {
     sparcml::StoreStream(r.stream, out);
+    if (divisor != 1.0) Divide(out.val, out.capacity, static_cast<float>(divisor));
+    StoreValues(staged, rval);
     rnnz->typed_data()[0] = static_cast<int32_t>(r.stream.dense ? r.stream.n : r.stream.nnz);
   } else {  // an agreement: its result is the largest count
     rnnz->typed_data()[0] = static_cast<int32_t>(r.nnz_max);
@@ -287,16 +329,23 @@ SPARCML_EXPORT int SparcmlEngineShutdown(double timeout_seconds) {
   .Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<         \
       ffi::BufferR0<ffi::S32>>().Ret<ffi::BufferR0<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<ffi::Token>()
 
-// run also returns a global top-k's dense residual (an empty buffer for the other programs).
+// run also returns a global top-k's dense residual (an empty buffer for the other programs); its
+// stream's values, in and out, are float32 or bfloat16.
 #define RUN_RESULTS                                                                                      \
-  .Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<         \
+  .Ret<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>().Ret<ffi::BufferR0<ffi::S32>>().Ret<                \
       ffi::BufferR0<ffi::S32>>().Ret<ffi::BufferR0<ffi::F32>>().Ret<ffi::BufferR0<ffi::S32>>().Ret<      \
       ffi::Buffer<ffi::F32>>().Ret<ffi::Token>()
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlMpiRun(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlMpiRun, RunImpl,
-                              ffi::Ffi::Bind() STREAM_IN.Arg<ffi::Token>() RUN_RESULTS PROGRAM_ATTRS
-                                  .Attr<int64_t>("residual"));
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Token>() RUN_RESULTS PROGRAM_ATTRS
+                                  .Attr<int64_t>("residual")
+                                  .Attr<double>("divisor"));
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlEngineStart(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlEngineStart, StartImpl,

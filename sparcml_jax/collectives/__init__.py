@@ -29,6 +29,9 @@ from sparcml_jax.kernels.partition import from_dense
 from sparcml_jax.kernels.qsgd import key_words
 from sparcml_jax.stream import SparseStream, dense_stream, dense_threshold, with_indices
 
+# The vectors nonzeros_allreduce takes: float32, or bfloat16 (summed in float32).
+VECTOR_DTYPES = (jnp.float32, jnp.bfloat16)
+
 __all__ = ["ALGORITHMS", "AllreduceStats", "CostModel", "dense_allreduce", "nonzeros_allreduce", "reset_after_error",
            "sparse_allgather", "sparse_allreduce"]
 
@@ -153,10 +156,11 @@ def nonzeros_allreduce(
     quantize_feedback: bool = False,
     value_dtype: Any = None,
     cost_model: CostModel | None = None,
+    average: bool = False,
     return_stats: bool = False,
 ):
-    """Sum of every rank's float32 vector ``x``, sent as its nonzeros: SparCML for gradients
-    that are sparse or dense only at run time.
+    """Sum (or with ``average`` the mean) of every rank's float32 or bfloat16 vector ``x``, sent
+    as its nonzeros: SparCML for gradients that are sparse or dense only at run time.
 
     It is ``sparse_allreduce(from_dense(x, delta=delta), ...).to_dense()`` without forming the
     stream. On the native engine each rank counts the nonzeros of ``x`` (one pass), the ranks
@@ -164,6 +168,12 @@ def nonzeros_allreduce(
     when its count is below the dense threshold: a dense ``x`` goes to MPI_Allreduce from where it
     lies. The arguments are those of :func:`sparse_allreduce`; the stats' ``result_nnz`` counts
     the sum's entries as a stream (``x.size`` once it is dense).
+
+    The result has ``x``'s dtype. A bfloat16 ``x`` (a bfloat16 model's gradient) needs no
+    float32 copy on the native engine: the engine widens its values as it reads them, sums in
+    float32, divides by P for ``average``, and rounds once, to nearest even, as it writes the
+    result (with ``value_dtype=jnp.bfloat16`` the values also travel as bfloat16). The other
+    transports sum a float32 copy of ``x``. Either way the result is the float32 one, rounded.
 
     Example (under ``mpirun -n P``; one process returns ``x``):
       >>> import jax.numpy as jnp
@@ -173,19 +183,23 @@ def nonzeros_allreduce(
       >>> float(nonzeros_allreduce(x).sum()) == MPI.COMM_WORLD.size
       True
     """
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be a bool, got {average!r}")
     if axis_name is not None:
-        x = check_vector(x, "x")
+        x = check_vector(x, "x", dtype=VECTOR_DTYPES)
         total, *rest = sparse_allreduce(
-            from_dense(x, delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm, transport=transport,
-            delta=delta, quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
+            from_dense(x.astype(jnp.float32), delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm,
+            transport=transport, delta=delta, quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
             quantize_scale=quantize_scale, quantize_feedback=quantize_feedback, value_dtype=value_dtype,
             cost_model=cost_model, return_stats=True)
-        return _returned(total.to_dense(), rest[-1], rest[0] if quantize_feedback else None, return_stats)
+        total = total.to_dense() / jax.lax.axis_size(axis_name) if average else total.to_dense()
+        return _returned(total.astype(x.dtype), rest[-1], rest[0] if quantize_feedback else None, return_stats)
     comm = resolve_comm(comm)
     transport = "native" if transport is None else transport
     try:
-        x = check_vector(x, "x")
-        plan = check_allreduce(comm, dense_stream(x), algorithm=algorithm, transport=transport, delta=delta,
+        x = check_vector(x, "x", dtype=VECTOR_DTYPES)
+        shaped = dense_stream(jax.ShapeDtypeStruct(x.shape, jnp.float32))  # (checked, not computed)
+        plan = check_allreduce(comm, shaped, algorithm=algorithm, transport=transport, delta=delta,
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
                                quantize_scale=quantize_scale, quantize_feedback=quantize_feedback,
                                value_dtype=value_dtype)
@@ -193,11 +207,14 @@ def nonzeros_allreduce(
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
-    return _returned(*call_and_recover(_compiled_on_nonzeros(plan, algorithm, model), x, key), return_stats)
+    return _returned(*call_and_recover(_compiled_on_nonzeros(plan, algorithm, model, average), x, key),
+                     return_stats)
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None):
+def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None, average: bool):
+    divisor = plan.nprocs if average else 1
+
     @jax.jit
     def run(x, key):
         n = x.shape[0]
@@ -205,12 +222,15 @@ def _compiled_on_nonzeros(plan: Plan, algorithm: str, model: CostModel | None):
         if plan.transport == "mpi4jax" and algorithm == "auto":
             (_, name), = _choices(plan, model, n, n)
         if plan.transport != "native" and name not in ENGINE_ALGORITHMS:  # static buffers: the stream of capacity n
-            total, stats, error = _compiled(plan, algorithm, model)(from_dense(x, delta=plan.delta), key)
-            return total.to_dense(), stats, error
+            total, stats, error = _compiled(plan, algorithm, model)(from_dense(x.astype(jnp.float32),
+                                                                              delta=plan.delta), key)
+            dense = total.to_dense() / divisor if average else total.to_dense()
+            return dense.astype(x.dtype), stats, error
         # The signature of from_dense(x)'s stream: the ranks run the same program on either.
         signature = allreduce_signature(plan, algorithm, n, n, model)
         program = native_program(plan, name, model, n, n, nonzeros=True)
-        total, stats, error = _run_natively(plan, program, dense_stream(x), signature, key)
+        total, stats, error = _run_natively(plan, program, x if x.dtype != jnp.float32 else dense_stream(x),
+                                            signature, key, divisor)
         return total.values, stats, error
 
     return run
@@ -267,14 +287,16 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
     return run
 
 
-def _run_natively(plan: Plan, program: native.Program, stream: SparseStream, signature, key):
-    """(result, stats, this rank's coding error when the plan asks for it, else None)."""
+def _run_natively(plan: Plan, program: native.Program, stream: SparseStream | jax.Array, signature, key,
+                  divisor: int = 1):
+    """(result, stats, this rank's coding error when the plan asks for it, else None); ``stream``
+    may be a dense vector, and the result is divided by ``divisor`` (see :func:`native.run_with_residual`)."""
     words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
     result, code, sent, dense_round, error = native.run_with_residual(program, stream, comm=plan.comm,
                                                                       signature=signature, delta=plan.delta,
-                                                                      key_words=words)
+                                                                      key_words=words, divisor=divisor)
     if program.residual < 0:  # an exact algorithm: nothing lost
-        error = _no_error(plan, stream.size)
+        error = _no_error(plan, program.size)
     elif not (plan.quantize and plan.quantize.feedback):
         error = None
     return result, AllreduceStats(code, sent, result.nnz, dense_round), error

@@ -22,7 +22,7 @@ import os
 import struct
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -361,23 +361,25 @@ class Signature:
 # ----------------------------------------------------------------------------- FFI calls
 
 
-def _results(capacity: int, index_capacity: int):
-    return [_ShapedArray((index_capacity,), INDEX_DTYPE), _ShapedArray((capacity,), VALUE_DTYPE),
+def _results(capacity: int, index_capacity: int, value_dtype: str):
+    """The result buffers; its values are float32 or, for a bfloat16 caller, bfloat16 (the engine
+    sums in float32 and rounds the result on the way out)."""
+    return [_ShapedArray((index_capacity,), INDEX_DTYPE), _ShapedArray((capacity,), jnp.dtype(value_dtype)),
             _ShapedArray((), INDEX_DTYPE), _ShapedArray((), INDEX_DTYPE), _ShapedArray((), VALUE_DTYPE),
             _ShapedArray((), INDEX_DTYPE)]
 
 
 _run_p = ordered_ffi_primitive(
     "sparcml_run", "sparcml_mpi_run", "SparcmlMpiRun",
-    lambda *avals, capacity, index_capacity, residual_size, **_: [
-        *_results(int(capacity), int(index_capacity)), _ShapedArray((int(residual_size),), VALUE_DTYPE)],
-    shape_params=("capacity", "index_capacity", "residual_size"))
+    lambda *avals, capacity, index_capacity, residual_size, value_dtype, **_: [
+        *_results(int(capacity), int(index_capacity), value_dtype), _ShapedArray((int(residual_size),), VALUE_DTYPE)],
+    shape_params=("capacity", "index_capacity", "residual_size", "value_dtype"))
 _start_p = ordered_ffi_primitive("sparcml_engine_start", "sparcml_engine_start", "SparcmlEngineStart",
                                  lambda *avals, **_: [_ShapedArray((), INDEX_DTYPE)])
 _wait_p = ordered_ffi_primitive("sparcml_engine_wait", "sparcml_engine_wait", "SparcmlEngineWait",
-                                lambda job, *after, capacity, index_capacity: _results(int(capacity),
-                                                                                      int(index_capacity)),
-                                shape_params=("capacity", "index_capacity"))
+                                lambda job, *after, capacity, index_capacity, value_dtype: _results(
+                                    int(capacity), int(index_capacity), value_dtype),
+                                shape_params=("capacity", "index_capacity", "value_dtype"))
 
 
 def _attributes(program: Program, comm: MPI.Comm, signature: Signature, delta: float, rejected: bool) -> dict:
@@ -399,10 +401,14 @@ def run(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signatu
     return result, algorithm, sent, dense_round
 
 
-def run_with_residual(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
-                      key_words: jax.Array | None = None):
-    """:func:`run`, and the program's dense residual (empty when it has none) last."""
-    return _bind_run(program, s, comm, signature, delta, key_words, False)
+def run_with_residual(program: Program, s: SparseStream | jax.Array, *, comm: MPI.Comm, signature: Signature,
+                      delta: float, key_words: jax.Array | None = None, divisor: int = 1):
+    """:func:`run`, and the program's dense residual (empty when it has none) last. ``s`` may be
+    a dense vector instead of a stream, float32 or bfloat16: the engine widens bfloat16 values as
+    it reads them, sums in float32, and writes the result's values as bfloat16, rounded to
+    nearest even (its residual stays float32). The result's values are divided by ``divisor``
+    (in float32, before that rounding)."""
+    return _bind_run(program, s, comm, signature, delta, key_words, False, divisor)
 
 
 def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
@@ -415,14 +421,27 @@ def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signat
     return result, residual, sent
 
 
-def _bind_run(program: Program, s: SparseStream, comm, signature, delta, key_words, rejected):
+def _bind_run(program: Program, s: SparseStream | jax.Array, comm, signature, delta, key_words, rejected,
+              divisor: int = 1):
     capacity = program.capacity if program.result >= 0 else 0
+    if not isinstance(s, SparseStream):  # a dense vector: the stream dense by construction, in its own dtype
+        s = _DenseVector(jnp.zeros((0,), INDEX_DTYPE), s, jnp.asarray(s.shape[0], INDEX_DTYPE), s.shape[0])
     idx, val, nnz, algorithm, sent, dense_round, residual = _run_p.bind(
         s.indices, s.values, s.nnz, _key_or_zeros(key_words), capacity=i64(capacity),
         index_capacity=i64(program.index_capacity),
         residual_size=i64(program.size if program.residual >= 0 else 0), residual=i64(program.residual),
-        **_attributes(program, comm, signature, delta, rejected))
-    return SparseStream(idx, val, nnz, program.size), algorithm, sent, dense_round, residual
+        value_dtype=s.values.dtype.name, divisor=float(divisor), **_attributes(program, comm, signature, delta, rejected))
+    result = (SparseStream if val.dtype == VALUE_DTYPE else _DenseVector)(idx, val, nnz, program.size)
+    return result, algorithm, sent, dense_round, residual
+
+
+class _DenseVector(NamedTuple):
+    """A stream's buffers whose values a SparseStream cannot hold (bfloat16)."""
+
+    indices: jax.Array
+    values: jax.Array
+    nnz: jax.Array
+    size: int
 
 
 def agree(s: SparseStream, *, comm: MPI.Comm, signature: Signature, rejected: bool = False) -> jax.Array:
@@ -441,13 +460,16 @@ def start(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signa
     return job
 
 
-def wait(job: jax.Array, *, size: int, capacity: int, index_capacity: int | None = None, after=()):
+def wait(job: jax.Array, *, size: int, capacity: int, index_capacity: int | None = None, after=(),
+         value_dtype: Any = VALUE_DTYPE):
     """Blocks until job ``job`` is done; returns (result, algorithm code, bytes sent, dense round).
     ``index_capacity`` (default ``capacity``) is 0 for a program whose result is dense by
-    construction. The arrays of ``after`` become operands (unread), so XLA computes them before the wait."""
+    construction; the result's values are ``value_dtype`` (float32 or bfloat16). The arrays of
+    ``after`` become operands (unread), so XLA computes them before the wait."""
     index_capacity = capacity if index_capacity is None else index_capacity
     idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, *jax.tree.leaves(after), capacity=i64(capacity),
-                                                               index_capacity=i64(index_capacity))
+                                                               index_capacity=i64(index_capacity),
+                                                               value_dtype=jnp.dtype(value_dtype).name)
     return SparseStream(idx, val, nnz, size), algorithm, sent, dense_round
 
 

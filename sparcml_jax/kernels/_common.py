@@ -46,12 +46,15 @@ def cond_varying(pred: Any, true_fun: Callable[..., Any], false_fun: Callable[..
     return jax.lax.cond(pred, lambda *a: vary(true_fun(*a), axes), lambda *a: vary(false_fun(*a), axes), *operands)
 
 
-def check_vector(x: Any, name: str, dtype=VALUE_DTYPE) -> jax.Array:
+def check_vector(x: Any, name: str, dtype: Any = VALUE_DTYPE) -> jax.Array:
+    """``x`` as a 1-D array of ``dtype`` (or of one of a tuple of dtypes); raises naming ``name`` otherwise."""
     x = jnp.asarray(x)
     if x.ndim != 1:
         raise ValueError(f"{name} must be a 1-D vector, got shape {x.shape}; flatten it with .ravel()")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}; convert with .astype()")
+    allowed = [jnp.dtype(d) for d in (dtype if isinstance(dtype, tuple) else (dtype,))]
+    if x.dtype not in allowed:
+        names = " or ".join(d.name for d in allowed)
+        raise TypeError(f"{name} must have dtype {names}, got {x.dtype}; convert with .astype()")
     return x
 
 

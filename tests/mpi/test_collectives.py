@@ -239,6 +239,36 @@ def test_nonzeros_allreduce_is_the_allreduce_of_from_dense(transport, algorithm)
     agree_all(failures, f"nonzeros_allreduce {algorithm}/{transport}")
 
 
+@pytest.mark.parametrize("transport,value_dtype", [("native", None), ("native", jnp.bfloat16), ("mpi4jax", None)])
+def test_nonzeros_allreduce_of_bfloat16_vectors(transport, value_dtype):
+    """A bfloat16 vector's sum (or mean) is the float32 one of its values, rounded once to
+    bfloat16, bit for bit, on fractional values; empty, sparse and dense vectors alike."""
+    failures = []
+    densities = CONFIGS["full"][2]
+    for inp in [inputs("full", densities[0], "random"), inputs("full", densities[-1], "unequal")] + \
+            nonzeros_inputs()[-3:]:
+        x = jnp.asarray(inp.x * np.float32(1.0 / 3.0) + np.where(inp.x != 0, np.float32(1e-3), np.float32(0)))
+        x = x.astype(jnp.bfloat16)
+        for average in (False, True):
+            label = f"bfloat16 nonzeros_allreduce {transport} value_dtype={value_dtype} average={average} {inp}"
+            out = None
+            try:
+                out = nonzeros_allreduce(x, transport=transport, value_dtype=value_dtype, average=average)
+                wide = nonzeros_allreduce(x.astype(jnp.float32), transport=transport, value_dtype=value_dtype)
+                want = np.asarray((wide / NPROCS if average else wide).astype(jnp.bfloat16)).view(np.uint16)
+                if out.dtype != jnp.bfloat16:
+                    failures.append(f"{label}: returned {out.dtype}")
+                elif not np.array_equal(np.asarray(out).view(np.uint16), want):
+                    failures.append(f"{label}: {np.count_nonzero(np.asarray(out).view(np.uint16) != want)} entries "
+                                    "differ from the float32 result rounded")
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+            mine = None if out is None else np.asarray(out).view(np.uint16).tobytes()
+            if len({t for t in COMM.allgather(mine) if t is not None}) > 1:
+                failures.append(f"{label}: the ranks' results differ")
+    agree_all(failures, f"bfloat16 nonzeros_allreduce {transport}")
+
+
 def test_nonzeros_allreduce_inside_user_jit():
     inp = inputs("full", 0.1, "unequal")
     total = jax.jit(lambda x: nonzeros_allreduce(x) * 2)(jnp.asarray(inp.x))

@@ -257,3 +257,41 @@ def test_bfloat16_values_on_the_wire_sum_small_integers_exactly(options):
         return failures
 
     run_and_agree(check, f"bfloat16 wire {options}")
+
+
+@pytest.mark.parametrize("options", [dict(), dict(value_dtype=jnp.bfloat16), dict(transport="mpi4jax"),
+                                     dict(density=0.05), dict(density=0.05, buckets=2)])
+def test_bfloat16_leaves_give_the_float32_updates_rounded(options):
+    """A bfloat16 gradient (fused into bfloat16 buffers, which the native engine widens and sums in
+    float32) gives the updates of the same gradient as float32 leaves, each rounded once to
+    bfloat16, bit for bit: the mean too, on fractional values."""
+
+    def check():
+        failures = []
+        for average in (False, True):
+            runs = {}
+            for dtype in (jnp.float32, jnp.bfloat16):
+                params = jax.tree.map(lambda p: p.astype(dtype), _params())
+                tx = sparcml_jax.allreduce_gradients(average=average, min_size=100, **options)
+                state, update, outs = tx.init(params), jax.jit(tx.update), []
+                for t in range(2):
+                    rng = np.random.default_rng([t, RANK, 5])
+                    grads = jax.tree.map(lambda p: jnp.asarray(
+                        (rng.standard_normal(p.shape) * (rng.random(p.shape) < 0.3)).astype(np.float32)
+                    ).astype(jnp.bfloat16).astype(dtype), params)
+                    out, state = update(grads, state, params)
+                    outs.append(out)
+                runs[dtype] = outs
+            for t, (wide, narrow) in enumerate(zip(runs[jnp.float32], runs[jnp.bfloat16])):
+                for name in wide:
+                    want = np.asarray(wide[name].astype(jnp.bfloat16)).view(np.uint16)
+                    got = np.asarray(narrow[name])
+                    if got.dtype != jnp.bfloat16:
+                        failures.append(f"average={average} step {t} {name}: {got.dtype} updates of bfloat16 leaves")
+                    elif not np.array_equal(got.view(np.uint16), want):
+                        failures.append(f"average={average} step {t} {name}: bfloat16 leaves give "
+                                        f"{np.count_nonzero(got.view(np.uint16) != want)} entries other than the "
+                                        "float32 updates rounded")
+        return failures
+
+    run_and_agree(check, f"bfloat16 leaves {options}")
