@@ -96,21 +96,31 @@ const float* InputValues(const ffi::AnyBuffer& val, int64_t count, sparcml::Scra
   return widened->data();
 }
 
-// Where the engine writes the result's values: the caller's float32 buffer, or `staged` (then
-// StoreValues rounds it into the caller's bfloat16 buffer).
+// Where the engine writes the result's values: the caller's float32 buffer, or `staged`, which
+// StoreValues rounds into the caller's bfloat16 buffer.
 float* ResultValues(ffi::Result<ffi::AnyBuffer>& rval, sparcml::Scratch<float>* staged) {
   if (!HalfValues(*rval)) return rval->typed_data<float>();
   staged->resize(Length(*rval));
   return staged->data();
 }
-// An average, before a bfloat16 result's one rounding: the sum times the float32 reciprocal, as
-// XLA's CPU backend divides by a constant, so that it equals `sum / P` in the caller's program.
-void Divide(float* values, int64_t n, float divisor) {
-  const float reciprocal = 1.0f / divisor;
-  for (int64_t i = 0; i < n; ++i) values[i] *= reciprocal;
-}
-void StoreValues(const sparcml::Scratch<float>& staged, ffi::Result<ffi::AnyBuffer>& rval) {
-  if (HalfValues(*rval)) sparcml::ToBf16(staged.data(), Length(*rval), rval->typed_data<uint16_t>());
+// The result's values as the caller takes them: a float32 buffer (the engine wrote it) or the
+// staged sum rounded into a bfloat16 one; with a divisor, the mean. It is the sum times the
+// float32 reciprocal, as XLA's CPU backend divides by a constant, so that it equals `sum / P` in
+// the caller's program, and it is taken before the one rounding to bfloat16, in the same pass.
+void StoreValues(float* values, ffi::Result<ffi::AnyBuffer>& rval, double divisor) {
+  const float reciprocal = 1.0f / static_cast<float>(divisor);
+  const int64_t n = Length(*rval);
+  if (!HalfValues(*rval)) {
+    if (divisor != 1.0)
+      for (int64_t i = 0; i < n; ++i) values[i] *= reciprocal;
+    return;
+  }
+  uint16_t* out = rval->typed_data<uint16_t>();
+  if (divisor == 1.0) {
+    sparcml::ToBf16(values, n, out);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = sparcml::Bf16Bits(values[i] * reciprocal);
+  }
 }
 
 int RankOf(MPI_Comm comm) {
@@ -155,8 +165,7 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::AnyBuffer val, ffi::BufferR0<
   }
   if (result >= 0) {
     sparcml::StoreStream(r.stream, out);
-    if (divisor != 1.0) Divide(out.val, out.capacity, static_cast<float>(divisor));
-    StoreValues(staged, rval);
+    StoreValues(out.val, rval, divisor);
     rnnz->typed_data()[0] = static_cast<int32_t>(r.stream.dense ? r.stream.n : r.stream.nnz);
   } else {  // an agreement: its result is the largest count
     rnnz->typed_data()[0] = static_cast<int32_t>(r.nnz_max);
