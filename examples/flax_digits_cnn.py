@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="of the parameters and gradients")
     parser.add_argument("--value-dtype", default=None, choices=["bfloat16"],
-                        help="values on the wire as bfloat16 (SparCML's algorithms, native transport)")
+                        help="values on the wire as bfloat16 (SparCML's algorithms)")
     parser.add_argument("--bits", type=int, default=None, help="QSGD bits on the dense phases (auto or DSAR)")
     parser.add_argument("--quantize-feedback", action="store_true",
                         help="with --density none and --bits: error feedback of QSGD's split phase")

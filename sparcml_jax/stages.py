@@ -300,8 +300,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
     if value_dtype is not None and nonblocking:
         raise ValueError(f"value_dtype={value_dtype!r} runs blocking reductions: drop buckets (nonblocking)")
     if value_dtype is not None:
-        wire_bits(value_dtype, "native" if transport is None and axis_name is None else
-                  transport if axis_name is None else "xla")
+        wire_bits(value_dtype)
     if quantize_feedback and (quantize_bits is None or nonblocking):
         raise ValueError("quantize_feedback feeds back QSGD's split-phase error: it needs quantize_bits and a "
                          f"blocking reduction (got quantize_bits={quantize_bits!r}, nonblocking={nonblocking!r})")

@@ -268,7 +268,7 @@ def allreduce_gradients(
         4.7 points below float32 with it, 0.3 without); use it at 4 or 8 bits.
       value_dtype: ``jnp.bfloat16``: the gradient's values travel as bfloat16, sparse pairs
         included (half a float32 value's bytes; sums stay float32; the small leaves' allreduce
-        stays float32); native transport, no ``buckets``. See
+        stays float32); any transport, no ``buckets``. See
         :func:`sparcml_jax.sparse_allreduce`. Independently of it, a bfloat16 gradient without
         ``density``/``k`` goes to the native engine in bfloat16 buffers, with no float32 copy
         (:func:`sparcml_jax.nonzeros_allreduce`); error feedback, ``capacity``, warm-up and

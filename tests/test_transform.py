@@ -239,7 +239,6 @@ def test_warmup_sends_dense(buckets):
     (dict(quantize_bits=4, quantize_feedback=True, buckets=2), "no buckets"),
     (dict(algorithm="spardl", density=0.01, quantize_feedback=True), "does not take quantize_feedback"),
     (dict(value_dtype=jnp.float16), "value_dtype must be jnp.float32 or jnp.bfloat16"),
-    (dict(value_dtype=jnp.bfloat16, transport="mpi4jax"), "travels on the native engine"),
     (dict(value_dtype=jnp.bfloat16, density=0.01, buckets=2), "runs blocking reductions"),
     (dict(algorithm="gtopk", density=0.01, value_dtype=jnp.bfloat16), "does not take value_dtype"),
 ])

@@ -145,8 +145,8 @@ def run(cells, algorithms, transports, reps, comm=None, baselines=True, progress
     """The rows of every cell: each of ``algorithms`` (SparCML's) and ``global_topk`` on each of
     ``transports``, beside the dense baseline (and with ``baselines`` the allgather and mpi4py
     ones), each of those of ``algorithms`` that take QSGD once more per ``bits`` (labelled
-    ``"dsar_split_allgather/q4"``), with ``bfloat16`` each on the native transport once more with
-    bfloat16 values (``"dense/bf16"``), and the cost model used for ``auto`` and the predictions."""
+    ``"dsar_split_allgather/q4"``), with ``bfloat16`` each once more with bfloat16 values
+    (``"dense/bf16"``), and the cost model used for ``auto`` and the predictions."""
     comm = resolve_comm(comm)
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     model = cost_model_for(comm, model)
@@ -194,7 +194,7 @@ def _cases(s, x, k, algorithms, global_topk, transports, comm, model, baselines,
     for transport in transports:
         variants = ([(a, None, None) for a in algorithms] + [(a, b, None) for b in bits for a in algorithms
                                                             if a in QUANTIZING]
-                    + [(a, None, jnp.bfloat16) for a in algorithms if bfloat16 and transport == "native"])
+                    + [(a, None, jnp.bfloat16) for a in algorithms if bfloat16])
         for algorithm, b, value_dtype in variants:
             def sparcml(s, a=algorithm, t=transport, b=b, v=value_dtype):
                 return sparse_allreduce(s, comm=comm, algorithm=a, transport=t, cost_model=model, return_stats=True,
@@ -338,8 +338,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="also run DSAR and auto (of --algorithms) with QSGD at these bits, in both phases "
                              "wherever they carry dense values (rows 'dsar_split_allgather/q4', 'auto/q4')")
     parser.add_argument("--bfloat16", action="store_true",
-                        help="also run every algorithm on the native transport with bfloat16 values on the wire "
-                             "(rows 'dense/bf16', ...)")
+                        help="also run every algorithm with bfloat16 values on the wire (rows 'dense/bf16', ...)")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--calls-per-sample", type=int, default=1, metavar="R",
                         help="time R calls in one jitted program (as inside a training step; JAX dispatches it "

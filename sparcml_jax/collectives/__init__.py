@@ -85,8 +85,9 @@ def sparse_allreduce(
         ``jnp.bfloat16`` (half the bytes of a value; pairs keep int32 indices): rounded to
         nearest even by their sender, who goes on with them as its peers receive them, and
         summed in float32; the result holds bfloat16 values, the same on every rank. Every
-        SparCML algorithm, native transport, blocking calls; the dense allreduce then runs as
-        DSAR's two phases (MPI cannot sum bfloat16).
+        SparCML algorithm, on every transport (whole static buffers carry two bfloat16 values
+        per int32 slot), blocking calls; the dense allreduce then runs as DSAR's two phases
+        (neither MPI nor ``psum`` sums bfloat16 in float32).
       cost_model: the model ``"auto"`` chooses with; by default the file named by
         ``SPARCML_JAX_COST_MODEL``, else measured once per communicator (a named algorithm
         never measures it).
@@ -116,8 +117,7 @@ def sparse_allreduce(
         quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
                                              key=key, bucket_size=bucket_size, quantize_scale=quantize_scale,
                                              quantize_feedback=quantize_feedback)
-        wire_bits(value_dtype, "xla")
-        plan = on_axis.axis_plan(axis_name, comm, transport, delta, quantize)
+        plan = on_axis.axis_plan(axis_name, comm, transport, delta, quantize, wire_bits(value_dtype))
         model = on_axis.cost_model_on_axis(cost_model, plan.nprocs) if algorithm == "auto" and plan.nprocs > 1 else None
         return _returned(*on_axis.allreduce(plan, algorithm, model, stream, key), return_stats)
     comm = resolve_comm(comm)
@@ -279,7 +279,8 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
             return _run_natively(plan, program, stream, signature, key)
         # Static buffers cannot carry an abort: the ranks agree first.
         t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, native.agree(stream, comm=plan.comm,
-                                                                              signature=signature), key)
+                                                                              signature=signature), key,
+                             plan.value_bits)
         result = definition(name)(t, with_indices(stream), **plan.options(name))  # (SSAR: nothing coded)
         stats = AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
         return result, stats, _no_error(plan, stream.size)

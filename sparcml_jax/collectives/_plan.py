@@ -50,7 +50,7 @@ class Plan:
     transport: str
     delta: float
     quantize: Quantization | None = None
-    value_bits: int = 32  # of the values on the wire: 16 for bfloat16 (native transport)
+    value_bits: int = 32  # of the values on the wire: 16 for bfloat16
     comm_handle: int = -1
     axis_name: Hashable | None = None
     axis_size: int = 0

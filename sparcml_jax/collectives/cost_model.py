@@ -295,12 +295,17 @@ class Pricing:
             return False
         return e.dense_values or (e.capacity >= e.size and 8.0 * self.count(e) >= 4.0 * e.size)
 
+    @property
+    def slot_bytes(self) -> float:
+        """Bytes of one pair in a static buffer: its int32 index and its value."""
+        return 4.0 + self.value_bytes
+
     def wire(self, e: Estimate) -> float:
         """Bytes of a message carrying ``e``: the valid pairs or the dense values (native), or
-        the whole static buffer (mpi4jax: an 8-byte header and 8 bytes per slot, 4 per entry
-        once the capacity holds the dense vector)."""
+        the whole static buffer (mpi4jax: an 8-byte header and 8 bytes per slot, 6 on a bfloat16
+        wire; once the capacity holds the dense vector, room for n / 2 pairs)."""
         if self.static:
-            return 8.0 + (4.0 * e.size if e.capacity >= e.size else 8.0 * e.capacity)
+            return 8.0 + (self.slot_bytes * e.size / 2 if e.capacity >= e.size else self.slot_bytes * e.capacity)
         vb = self.value_bytes
         return vb * e.size if e.dense_values else min((4.0 + vb) * self.count(e), vb * e.size)
 
@@ -399,7 +404,7 @@ class Pricing:
         length = longest_part(n, p)
         # Every segment travels at its whole slot (static buffers), or range r of the stream goes to
         # rank r; a quantized one that travels dense goes as its QSGD codes.
-        segment = 8.0 + 8.0 * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p
+        segment = 8.0 + self.slot_bytes * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p
         coded = dense and quantize is not None and (codes_segments(s.capacity, n, p) if self.static
                                                     else self.is_dense(s))
         if coded:
@@ -453,8 +458,8 @@ class Pricing:
                          source_capacity=part.source_capacity)
         if self.static:  # every part at the largest part's slot; P parts packed, gathered, re-based
             slot = largest_part_capacity(part.source_capacity, n, p, self.delta)
-            self._seconds += rounds + (p - 1) * 8.0 * slot * m.beta
-            self._sent += (p - 1) * (8.0 + 8.0 * slot)
+            self._seconds += rounds + (p - 1) * self.slot_bytes * slot * m.beta
+            self._sent += (p - 1) * (8.0 + self.slot_bytes * slot)
             # The parts packed, gathered and re-based; the merged result cut to its capacity when
             # the union bound is below the parts' slots.
             merged = min(p * slot, n) if p * slot < dense_threshold(n, self.delta) else n

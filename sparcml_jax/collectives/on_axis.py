@@ -27,7 +27,7 @@ from sparcml_jax.stream import SparseStream, with_indices
 
 
 def axis_plan(axis_name: Hashable, comm: Any, transport: str | None, delta: float,
-              quantize: Quantization | None = None) -> Plan:
+              quantize: Quantization | None = None, value_bits: int = 32) -> Plan:
     """The plan of a call over ``axis_name``; raises ValueError naming the argument otherwise."""
     check_group(comm, axis_name, transport)
     try:
@@ -35,7 +35,7 @@ def axis_plan(axis_name: Hashable, comm: Any, transport: str | None, delta: floa
     except NameError:
         raise ValueError(f"axis_name={axis_name!r} names no mesh axis here: call the collective inside "
                          "jax.shard_map (or jax.pmap) over that axis") from None
-    return Plan(None, NAME, float(delta), quantize, axis_name=axis_name, axis_size=int(size))
+    return Plan(None, NAME, float(delta), quantize, value_bits, axis_name=axis_name, axis_size=int(size))
 
 
 def cost_model_on_axis(given: CostModel | None, nprocs: int) -> CostModel:
@@ -91,7 +91,8 @@ def allreduce(plan: Plan, algorithm: str, model: CostModel | None, stream: Spars
               key: jax.Array | None) -> tuple[SparseStream, AllreduceStats, jax.Array | None]:
     """(The sum, its stats, this device's coding error when the plan asks for it, else None.)"""
     name = choose(plan, algorithm, model, stream.size, stream.capacity, stream.dense_by_construction)
-    t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name), key)
+    t = XlaTransport(plan.axis_name, plan.nprocs, plan.delta, stream.size, agree(stream, plan.axis_name), key,
+                     plan.value_bits)
     out = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
     result, error = out if isinstance(out, tuple) else (out, None)
     if error is not None:

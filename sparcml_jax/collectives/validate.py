@@ -32,12 +32,11 @@ def check_allreduce(comm: MPI.Comm, stream: Any, *, algorithm: str, transport: s
     quantize = check_allreduce_arguments(stream, algorithm=algorithm, delta=delta, quantize_bits=quantize_bits,
                                          key=key, bucket_size=bucket_size, quantize_scale=quantize_scale,
                                          quantize_feedback=quantize_feedback)
-    return Plan(comm, transport, float(delta), quantize, wire_bits(value_dtype, transport))
+    return Plan(comm, transport, float(delta), quantize, wire_bits(value_dtype))
 
 
-def wire_bits(value_dtype: Any, transport: str | None) -> int:
-    """Bits of the values on the wire for ``value_dtype`` (None: float32); bfloat16 travels on the
-    native engine only."""
+def wire_bits(value_dtype: Any) -> int:
+    """Bits of the values on the wire for ``value_dtype`` (None: float32)."""
     if value_dtype is None:
         return 32
     try:
@@ -46,9 +45,6 @@ def wire_bits(value_dtype: Any, transport: str | None) -> int:
         dtype = None
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"value_dtype must be jnp.float32 or jnp.bfloat16 (the values on the wire), got {value_dtype!r}")
-    if dtype == jnp.bfloat16 and transport != "native":
-        raise ValueError(f"value_dtype=bfloat16 travels on the native engine: pass transport='native' (the default "
-                         f"over MPI), not {transport!r}; the mpi4jax and XLA transports send float32")
     return 16 if dtype == jnp.bfloat16 else 32
 
 

@@ -5,7 +5,8 @@ mpi4jax has no variable-length messages, so every message carries its whole stat
 recursive doubling and the ring, ``[nnz, 0]``, ``[indices...]`` and ``[values...]`` as three
 messages: indices and values then go straight from and into XLA's buffers. (Packing the values
 with the indices cost 3.8-4.1 ms against 2.2-2.4 ms at N = 2^22, 1 %, P = 4.) Once a stream's
-capacity reaches the dense length, it travels as the dense vector instead (4 bytes per entry).
+capacity reaches the dense length, it travels as the dense vector instead (4 bytes per entry). On a
+bfloat16 wire the values travel as bfloat16, two to an int32 slot (as uint16 in the three messages).
 :func:`sparcml_jax.sparse_allreduce` runs the algorithms whose result is dense (the dense
 allreduce and DSAR, ``ENGINE_ALGORITHMS``) on the native engine instead, on both MPI transports;
 this transport carries SSAR, the ring, the allgather and the global top-k allreduces.
@@ -48,9 +49,10 @@ class Mpi4jaxTransport(StaticBuffers):
     variable_length = False
     nonblocking = False
 
-    def __init__(self, comm: MPI.Comm, delta: float, size: int, agreed: jax.Array, key: jax.Array | None = None):
+    def __init__(self, comm: MPI.Comm, delta: float, size: int, agreed: jax.Array, key: jax.Array | None = None,
+                 value_bits: int = 32):
         """``agreed``: the agreement step's result (the largest nnz over ranks)."""
-        self.comm, self.delta, self.size = comm, delta, size
+        self.comm, self.delta, self.size, self.value_bits = comm, delta, size, value_bits
         self.rank, self.nprocs = comm.Get_rank(), comm.Get_size()
         self._begin(agreed, key)
 
@@ -67,18 +69,19 @@ class Mpi4jaxTransport(StaticBuffers):
         if dest >= 0 and self._compact(s.size, s.capacity):
             sends = [(self._pack_compact(self._checked(s)), _TAG)]
         elif dest >= 0:
-            sends = [(header(s.nnz), _TAG), (s.indices, _TAG + _INDICES_TAG), (s.values, _TAG + _VALUES_TAG)]
+            sends = [(header(s.nnz), _TAG), (s.indices, _TAG + _INDICES_TAG), (self._wire_values(s.values),
+                                                                               _TAG + _VALUES_TAG)]
         else:
             sends = []
         compact = self._compact(recv_size, recv_capacity)
         if source < 0:
             templates = []
         elif compact:
-            templates = [(jnp.zeros((HEADER + recv_size,), INDEX_DTYPE), _TAG)]
+            templates = [(jnp.zeros((HEADER + self._compact_body(recv_size),), INDEX_DTYPE), _TAG)]
         else:
             templates = [(jnp.zeros((HEADER,), INDEX_DTYPE), _TAG),
                          (jnp.zeros((recv_capacity,), INDEX_DTYPE), _TAG + _INDICES_TAG),
-                         (jnp.zeros((recv_capacity,), VALUE_DTYPE), _TAG + _VALUES_TAG)]
+                         (self._wire_values(jnp.zeros((recv_capacity,), VALUE_DTYPE)), _TAG + _VALUES_TAG)]
         received = []
         for i in range(max(len(sends), len(templates))):
             if i < len(sends) and i < len(templates):
@@ -89,13 +92,21 @@ class Mpi4jaxTransport(StaticBuffers):
                 mpi4jax.send(sends[i][0], dest, tag=sends[i][1], comm=self.comm)
             else:
                 received.append(mpi4jax.recv(templates[i][0], source, tag=templates[i][1], comm=self.comm))
-        sent = sum(4 * payload.shape[0] for payload, _ in sends)
+        sent = sum(payload.dtype.itemsize * payload.shape[0] for payload, _ in sends)
         if not received:
             return None, sent
         if compact:
             return self._unpack_compact(received[0], recv_size, recv_capacity), sent
         counts, indices, values = received
+        if self.value_bits != 32:
+            values = jax.lax.bitcast_convert_type(values, jnp.bfloat16).astype(VALUE_DTYPE)
         return SparseStream(indices, values, counts[0], recv_size), sent
+
+    def _wire_values(self, values: jax.Array) -> jax.Array:
+        """Values as a message carries them: float32, or bfloat16 bits (mpi4jax sends no bfloat16)."""
+        if self.value_bits == 32:
+            return values
+        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
 
     def _combine(self, kept: SparseStream, got: SparseStream | None, capacity: int, combine: Combine) -> SparseStream:
         if got is None:
@@ -109,7 +120,7 @@ class Mpi4jaxTransport(StaticBuffers):
         check_pairs(pairs, self.nprocs)
         dest, source = peers_of(pairs, self.rank)
         got, sent = self._transfer(s, dest, source, s.size, s.capacity)
-        own = s if keep or dest < 0 else SparseStream.empty(s.size, s.capacity)
+        own = s if dest < 0 else self._as_sent(s) if keep else SparseStream.empty(s.size, s.capacity)
         out = self._combine(own, got, exchange_capacity(s.capacity, s.size, combine, self.delta), combine)
         self._after(dest >= 0 or source >= 0, out.is_dense, sent)
         return out
@@ -121,7 +132,7 @@ class Mpi4jaxTransport(StaticBuffers):
         got, sent = self._transfer(segments[sending], (r + 1) % p, (r - 1) % p, kept.size, kept.capacity)
         out = self._combine(kept, got, kept.capacity, combine)
         self._after(True, out.is_dense, sent)
-        return [out if j == target else seg for j, seg in enumerate(segments)]
+        return [out if j == target else self._as_sent(seg) if j == sending else seg for j, seg in enumerate(segments)]
 
     # --------------------------------------------------------------------------- collectives
 
@@ -137,12 +148,13 @@ class Mpi4jaxTransport(StaticBuffers):
         if feedback:  # nothing was coded: nothing lost
             return self.reduce_scatter(s, dense=dense), dense_stream(jnp.zeros((s.size,), VALUE_DTYPE))
         slot = segment_slot(s.capacity, s.size, p)
-        sendbuf = self._segments(s, slot)
+        sendbuf = self._segments(s, slot, value_bits=self.value_bits)
         received = mpi4jax.alltoall(sendbuf, comm=self.comm) if p > 1 else sendbuf
         length = part_length(s.size, p, r)
         acc = None
-        for q in range(p):
-            idx, val, nnz = unpack(received[q], slot)
+        for q in range(p):  # this rank's own segment as it is, the others' as they came
+            exact = q == r and self.value_bits != 32
+            idx, val, nnz = unpack(self._segments(s, slot)[r], slot) if exact else self._unpack(received[q], slot)
             seg = SparseStream(idx, val, nnz, length)
             acc = seg if acc is None else merge(acc, seg, delta=self.delta)
         part = resize(acc, part_capacity(s.capacity, s.size, p, r, self.delta))
@@ -175,10 +187,10 @@ class Mpi4jaxTransport(StaticBuffers):
         if width is not None and width < p:  # this rank's team of width ranks gathers its parts
             slot, capacity = allgather_capacities(-1, part.slot, n, width, self.delta)
             mine = resize(part.stream, slot)
-            buf = pack(mine.indices, mine.values, mine.nnz)
+            buf = self._pack(mine)
             streams = []
             for q, got in enumerate(self._in_group(buf, self._team(width))):
-                idx, val, count = unpack(got, slot)
+                idx, val, count = self._unpack(got, slot)
                 valid = jnp.arange(slot) < count
                 streams.append(SparseStream(jnp.where(valid, idx + part_bounds(n, width, q)[0], n), val, count, n))
             if width == 1:  # a merge with nothing applies the dense switch all the same
@@ -192,19 +204,21 @@ class Mpi4jaxTransport(StaticBuffers):
                 result, sent = self._quantized_allgather(values, quantize)
             else:
                 slot = longest_part(n, p)
-                buf = jnp.concatenate([values, jnp.zeros((slot - values.shape[0],), VALUE_DTYPE)])
+                buf = self._wire_values(jnp.concatenate([values, jnp.zeros((slot - values.shape[0],), VALUE_DTYPE)]))
                 gathered = mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None]
+                if self.value_bits != 32:
+                    gathered = jax.lax.bitcast_convert_type(gathered, jnp.bfloat16).astype(VALUE_DTYPE)
                 result = jnp.concatenate([gathered[q, : part_length(n, p, q)] for q in range(p)])
-                sent = 4 * slot * (p - 1)
+                sent = buf.dtype.itemsize * slot * (p - 1)
             self._after(True, jnp.bool_(True), sent)
             return dense_stream(result)
         slot, capacity = allgather_capacities(part.source_capacity, part.slot, n, p, self.delta)
         mine = resize(part.stream, slot)
-        buf = pack(mine.indices, mine.values, mine.nnz)
+        buf = self._pack(mine)
         gathered = mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None]
         streams = []
         for q in range(p):  # each part re-based to global indices, its padding to n
-            idx, val, count = unpack(gathered[q], slot)
+            idx, val, count = self._unpack(gathered[q], slot)
             valid = jnp.arange(slot) < count
             start = 0 if part.regions else part_bounds(n, p, q)[0]
             streams.append(SparseStream(jnp.where(valid, idx + start, n), val, count, n))
@@ -239,6 +253,8 @@ class Mpi4jaxTransport(StaticBuffers):
         return jnp.concatenate(pieces), (coded.data.size + 4 * coded.scales.size) * (p - 1)
 
     def allreduce(self, s: SparseStream) -> SparseStream:
+        if self.value_bits != 32:
+            raise ValueError("MPI cannot sum bfloat16: the dense definition runs DSAR's phases instead")
         p = self.nprocs
         out = dense_stream(mpi4jax.allreduce(densify(self._checked(s)), op=MPI.SUM, comm=self.comm))
         # Volume of a reduce-scatter + allgather (Rabenseifner / ring), which MPICH uses for large vectors.

@@ -86,8 +86,8 @@ class Simulated:
       nprocs, size, delta: as for a real transport.
       wire: ``"native"`` (payloads: 8 bytes per pair or 4 per dense entry) or ``"mpi4jax"``
         (whole static buffers with their 8-byte headers).
-      value_bytes: bytes of a value on the native wire: 4 (float32) or 2 (bfloat16). Values are
-        not rounded here.
+      value_bytes: bytes of a value on the wire: 4 (float32) or 2 (bfloat16, two to a static
+        buffer's int32 slot). Values are not rounded here.
     """
 
     name = "simulated"
@@ -134,7 +134,14 @@ class Simulated:
         if self.wire == "native":
             return float(self.value_bytes * s.n if s.dense else (4 + self.value_bytes) * len(s.idx))
         compact = s.capacity >= s.n and self._threshold(s.n) - 1 <= s.n // 2
-        return 4.0 * (2 + s.n) if compact else 8.0 + 8.0 * s.capacity
+        if not compact:
+            return self._static(s.capacity)
+        half, slots = s.n // 2, lambda count: -(-count * self.value_bytes // 4)  # noqa: E731
+        return 4.0 * (2 + max(half + slots(half), slots(s.n)))
+
+    def _static(self, slot: int) -> float:
+        """Bytes of a static buffer of ``slot`` pairs: its header, indices and values."""
+        return 8.0 + (4 + self.value_bytes) * slot
 
     def _concat(self, parts: Sequence[SimStream], capacity: int) -> SimStream:
         """Streams over the consecutive ranges of ``len(parts)`` (regions: over the whole vector)."""
@@ -203,7 +210,7 @@ class Simulated:
                     self.sent[q] += qsgd_wire_bytes(length, bits=quantize.bits, bucket_size=quantize.bucket_size)
                 else:
                     self.sent[q] += (self._message(segments[q]) if self.wire == "native"
-                                     else 8.0 + 8.0 * segment_slot(capacity, n, p))
+                                     else self._static(segment_slot(capacity, n, p)))
             if dense:
                 parts.append(SimStream(hi - lo, hi - lo, None, sum(g.to_dense() for g in segments),
                                        source_capacity=capacity))
@@ -226,7 +233,7 @@ class Simulated:
                 travelling = [part[r] for r in members]
                 slot, capacity = allgather_capacities(-1, travelling[0].slot, n, width, self.delta)
                 for r in members:
-                    self.sent[r] += (width - 1) * (self._message(part[r]) if self.wire == "native" else 8.0 + 8.0 * slot)
+                    self.sent[r] += (width - 1) * (self._message(part[r]) if self.wire == "native" else self._static(slot))
                 whole = self._concat(travelling, capacity)
                 for r in members:
                     out[r] = dataclasses.replace(whole)
@@ -244,7 +251,7 @@ class Simulated:
         travelling = [x if x.source_capacity < 0 else self._travelling(x) for x in part]
         slot, capacity = allgather_capacities(part[0].source_capacity, part[0].slot, n, p, self.delta)
         for r in range(p):
-            self.sent[r] += (p - 1) * (self._message(travelling[r]) if self.wire == "native" else 8.0 + 8.0 * slot)
+            self.sent[r] += (p - 1) * (self._message(travelling[r]) if self.wire == "native" else self._static(slot))
         whole = self._concat(travelling, capacity)
         return [dataclasses.replace(whole) for _ in range(p)]
 
@@ -265,7 +272,7 @@ class Simulated:
         out = [None] * p
         for column in columns:
             for r in column:
-                self.sent[r] += (g - 1) * (self._message(s[r]) if self.wire == "native" else 8.0 + 8.0 * s[r].capacity)
+                self.sent[r] += (g - 1) * (self._message(s[r]) if self.wire == "native" else self._static(s[r].capacity))
             total = dataclasses.replace(s[column[0]], capacity=capacity)
             for r in column[1:]:
                 total = self._add(total, s[r], capacity)

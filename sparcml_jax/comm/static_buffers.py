@@ -41,14 +41,33 @@ def header(nnz) -> jax.Array:
     return jnp.stack([jnp.asarray(nnz, INDEX_DTYPE), jnp.zeros((), INDEX_DTYPE)])
 
 
-def pack(idx: jax.Array, val: jax.Array, nnz) -> jax.Array:
-    return jnp.concatenate([header(nnz), idx, jax.lax.bitcast_convert_type(val, INDEX_DTYPE)])
+def value_slots(count: int, value_bits: int = 32) -> int:
+    """int32 slots that ``count`` values take on the wire: one each, or two bfloat16 per slot."""
+    return count if value_bits == 32 else -(-count // 2)
 
 
-def unpack(buf: jax.Array, capacity: int):
+def to_slots(val: jax.Array, value_bits: int = 32) -> jax.Array:
+    """Values as int32 slots: float32 bits, or pairs of bfloat16 (rounded to nearest even)."""
+    if value_bits == 32:
+        return jax.lax.bitcast_convert_type(val, INDEX_DTYPE)
+    half = jnp.pad(val.astype(jnp.bfloat16), (0, val.shape[0] % 2))
+    return jax.lax.bitcast_convert_type(half.reshape(-1, 2), INDEX_DTYPE)
+
+
+def from_slots(slots: jax.Array, count: int, value_bits: int = 32) -> jax.Array:
+    """The ``count`` float32 values of :func:`to_slots`' slots."""
+    if value_bits == 32:
+        return jax.lax.bitcast_convert_type(slots[:count], VALUE_DTYPE)
+    return jax.lax.bitcast_convert_type(slots, jnp.bfloat16).reshape(-1)[:count].astype(VALUE_DTYPE)
+
+
+def pack(idx: jax.Array, val: jax.Array, nnz, value_bits: int = 32) -> jax.Array:
+    return jnp.concatenate([header(nnz), idx, to_slots(val, value_bits)])
+
+
+def unpack(buf: jax.Array, capacity: int, value_bits: int = 32):
     idx = buf[HEADER:HEADER + capacity]
-    val = jax.lax.bitcast_convert_type(buf[HEADER + capacity:], VALUE_DTYPE)
-    return idx, val, buf[0]
+    return idx, from_slots(buf[HEADER + capacity:], capacity, value_bits), buf[0]
 
 
 def densify(s: SparseStream) -> jax.Array:
@@ -63,7 +82,21 @@ class StaticBuffers:
     size: int
     nprocs: int
     axes: frozenset = frozenset()  # the mesh axes its values vary over (the XLA transport's)
-    value_bits = 32  # (bfloat16 values travel on the native engine only)
+    value_bits: int = 32  # of a value in a message: 16 packs two bfloat16 values per int32 slot
+
+    def _pack(self, s: SparseStream) -> jax.Array:
+        """A stream's message: [nnz, 0, indices, values], its values as the wire carries them."""
+        return pack(s.indices, s.values, s.nnz, self.value_bits)
+
+    def _unpack(self, buf: jax.Array, capacity: int):
+        return unpack(buf, capacity, self.value_bits)
+
+    def _as_sent(self, s: SparseStream) -> SparseStream:
+        """``s`` as its message delivers it. On a bfloat16 wire a rank keeps what it sends in
+        that form, so that every rank that adds the same streams holds the same sum."""
+        if self.value_bits == 32:
+            return s
+        return dataclasses.replace(s, values=from_slots(to_slots(s.values, 16), s.capacity, 16))
 
     def _cond(self, pred, true_fun, false_fun, *operands):
         return cond_varying(pred, true_fun, false_fun, *operands, axes=self.axes)
@@ -87,34 +120,37 @@ class StaticBuffers:
         self._round += 1
 
     def _compact(self, size: int, capacity: int) -> bool:
-        """Once the buffers can hold the dense vector, a message of n int32 slots carries either
-        the dense values or, below SparCML's threshold, the (at most n // 2) pairs: 4 bytes per
-        entry instead of 8, and the switch still follows the actual count."""
+        """Once the buffers can hold the dense vector, a message of n int32 slots (3n / 4 on a
+        bfloat16 wire) carries either the dense values or, below SparCML's threshold, the (at most
+        n // 2) pairs: 4 bytes per entry instead of 8, and the switch still follows the actual count."""
         return capacity >= size and dense_threshold(size, self.delta) - 1 <= size // 2
 
+    def _compact_body(self, n: int) -> int:
+        half = n // 2
+        return max(half + value_slots(half, self.value_bits), value_slots(n, self.value_bits))
+
     def _pack_compact(self, s: SparseStream) -> jax.Array:
-        """[nnz, 0, n slots]: the dense values when nnz reaches the threshold, else the pairs."""
-        n, half = s.size, s.size // 2
+        """[nnz, 0, body]: the dense values when nnz reaches the threshold, else the pairs."""
+        n, half, body_length = s.size, s.size // 2, self._compact_body(s.size)
         go_dense = s.nnz >= dense_threshold(n, self.delta)
-        pairs = jnp.concatenate([s.indices[:half], jax.lax.bitcast_convert_type(s.values[:half], INDEX_DTYPE),
-                                 jnp.zeros((n - 2 * half,), INDEX_DTYPE)])
-        dense = jax.lax.bitcast_convert_type(densify(s), INDEX_DTYPE)
+        fill = lambda slots: jnp.pad(slots, (0, body_length - slots.shape[0]))  # noqa: E731
+        pairs = fill(jnp.concatenate([s.indices[:half], to_slots(s.values[:half], self.value_bits)]))
+        dense = fill(to_slots(densify(s), self.value_bits))
         body = self._cond(go_dense, lambda: dense, lambda: pairs)
         nnz = jnp.where(go_dense, n, s.nnz).astype(INDEX_DTYPE)
         return jnp.concatenate([header(nnz), body])
 
-    @staticmethod
-    def _unpack_compact(buf: jax.Array, n: int, capacity: int) -> SparseStream:
-        half = n // 2
+    def _unpack_compact(self, buf: jax.Array, n: int, capacity: int) -> SparseStream:
+        half, bits = n // 2, self.value_bits
         nnz, body = buf[0], buf[HEADER:]
-        dense = resize(with_indices(dense_stream(jax.lax.bitcast_convert_type(body, VALUE_DTYPE))), capacity)
-        pairs = resize(SparseStream(body[:half], jax.lax.bitcast_convert_type(body[half:2 * half], VALUE_DTYPE), nnz, n),
-                       capacity)
+        dense = resize(with_indices(dense_stream(from_slots(body[:value_slots(n, bits)], n, bits))), capacity)
+        pairs = resize(SparseStream(body[:half], from_slots(body[half:half + value_slots(half, bits)], half, bits),
+                                    nnz, n), capacity)
         return jax.tree.map(lambda d, p: jnp.where(nnz == n, d, p), dense, pairs)
 
-    def _segments(self, s: SparseStream, slot: int, parts: int | None = None) -> jax.Array:
-        """[parts, header + 2 slot]: the pairs of each of ``parts`` ranges (default P), re-based to
-        the range's start."""
+    def _segments(self, s: SparseStream, slot: int, parts: int | None = None, value_bits: int = 32) -> jax.Array:
+        """[parts, header + slot + value slots]: the pairs of each of ``parts`` ranges (default P),
+        re-based to the range's start, their values packed as ``value_bits`` (a message's)."""
         parts = self.nprocs if parts is None else parts
         bounds = partition_bounds(s.size, parts).astype(np.int32)
         offsets = jnp.searchsorted(s.indices, jnp.asarray(bounds), side="left").astype(INDEX_DTYPE)
@@ -126,7 +162,8 @@ class StaticBuffers:
             idx = jax.lax.dynamic_slice(padded.indices, (offsets[r],), (slot,)) - bounds[r]
             val = jax.lax.dynamic_slice(padded.values, (offsets[r],), (slot,))
             valid = jnp.arange(slot) < count
-            rows.append(pack(jnp.where(valid, idx, part_length(s.size, parts, r)), jnp.where(valid, val, 0.0), count))
+            rows.append(pack(jnp.where(valid, idx, part_length(s.size, parts, r)), jnp.where(valid, val, 0.0), count,
+                             value_bits))
         return jnp.stack(rows)
 
     def _coded_reduce_scatter(self, s: SparseStream, q, all_to_all, rank) -> tuple[jax.Array, int, jax.Array]:

@@ -50,10 +50,10 @@ def _universe(s: SparseStream, size: int) -> SparseStream:
     return SparseStream(jnp.where(valid, s.indices, size), jnp.where(valid, s.values, 0.0), s.nnz, size)
 
 
-def _unpacked(buf: jax.Array, capacity: int, size: int) -> SparseStream:
+def _unpacked(buf: jax.Array, capacity: int, size: int, value_bits: int = 32) -> SparseStream:
     if capacity == 0:  # no slices of zero length out of a collective's result (XLA:CPU then loses FFI targets)
         return SparseStream.empty(size, 0)
-    idx, val, nnz = unpack(buf, capacity)
+    idx, val, nnz = unpack(buf, capacity, value_bits)
     return _universe(SparseStream(idx, val, nnz, size), size)
 
 
@@ -90,11 +90,11 @@ def agree(s: SparseStream, axis_name: Hashable, name: str = "stream") -> jax.Arr
     return jax.pure_callback(check, jax.ShapeDtypeStruct((), INDEX_DTYPE), report)
 
 
-def _rebased(buf: jax.Array, slot: int, size: int, start) -> SparseStream:
+def _rebased(buf: jax.Array, slot: int, size: int, start, value_bits: int = 32) -> SparseStream:
     """A part that travelled in ``slot`` pairs, its indices moved on by ``start``, over ``size``."""
     if slot == 0:
         return SparseStream.empty(size, 0)
-    idx, val, count = unpack(buf, slot)
+    idx, val, count = unpack(buf, slot, value_bits)
     return SparseStream(jnp.where(jnp.arange(slot) < count, idx + start, size), val, count, size)
 
 
@@ -108,8 +108,9 @@ class XlaTransport(StaticBuffers):
     nonblocking = False
 
     def __init__(self, axis_name: Hashable, nprocs: int, delta: float, size: int, checked: jax.Array,
-                 key: jax.Array | None = None):
+                 key: jax.Array | None = None, value_bits: int = 32):
         self.axis, self.nprocs, self.delta, self.size = axis_name, nprocs, delta, size
+        self.value_bits = value_bits
         self.axes = frozenset([axis_name])
         self.rank = jax.lax.axis_index(axis_name)
         self._begin(checked, key)
@@ -131,9 +132,9 @@ class XlaTransport(StaticBuffers):
             received = jax.lax.ppermute(buf, self.axis, perm)
             got = self._unpack_compact(received, s.size, s.capacity)
         else:
-            buf = pack(s.indices, s.values, s.nnz)
+            buf = self._pack(s)
             received = jax.lax.ppermute(buf, self.axis, perm)
-            got = _unpacked(received, s.capacity, s.size)
+            got = _unpacked(received, s.capacity, s.size, self.value_bits)
         receives = _table([any(d == r for _, d in perm) for r in range(self.nprocs)], self.rank).astype(bool)
         empty = SparseStream.empty(s.size, s.capacity)
         return jax.tree.map(lambda a, b: jnp.where(receives, a, b), got, empty), 4 * buf.shape[0]
@@ -154,7 +155,8 @@ class XlaTransport(StaticBuffers):
         got, message = self._permute(s, list(pairs))
         member = lambda ranks: _table([r in ranks for r in range(self.nprocs)], self.rank).astype(bool)  # noqa: E731
         sends, receives = member({a for a, _ in pairs}), member({b for _, b in pairs})
-        own = s if keep else jax.tree.map(lambda e, x: jnp.where(sends, e, x), SparseStream.empty(s.size, s.capacity), s)
+        kept = SparseStream.empty(s.size, s.capacity) if not keep else self._as_sent(s)
+        own = jax.tree.map(lambda e, x: jnp.where(sends, e, x), kept, s)
         capacity = exchange_capacity(s.capacity, s.size, combine, self.delta)
         combined = (resize(got, capacity) if combine == "replace"
                     else merge(own, got, delta=self._delta_for(s), capacity=capacity))
@@ -170,7 +172,7 @@ class XlaTransport(StaticBuffers):
         out = (resize(got, kept.capacity) if combine == "replace"
                else merge(kept, got, delta=_PAIRS_ONLY, capacity=kept.capacity))
         self._after(jnp.bool_(True), jnp.bool_(False), message)
-        return [out if j == target else seg for j, seg in enumerate(segments)]
+        return [out if j == target else self._as_sent(seg) if j == sending else seg for j, seg in enumerate(segments)]
 
     # --------------------------------------------------------------------------- collectives
 
@@ -185,10 +187,14 @@ class XlaTransport(StaticBuffers):
         if feedback:  # nothing was coded: nothing lost
             return self.reduce_scatter(s, dense=dense), dense_stream(jnp.zeros((s.size,), VALUE_DTYPE))
         slot = segment_slot(s.capacity, s.size, p)
-        sendbuf = self._segments(self._checked(s), slot)
+        sendbuf = self._segments(self._checked(s), slot, value_bits=self.value_bits)
         received = jax.lax.all_to_all(sendbuf, self.axis, 0, 0) if p > 1 else sendbuf
         longest = longest_part(s.size, p)
-        streams = [_unpacked(received[q], slot, longest) for q in range(p)]
+        streams = [_unpacked(received[q], slot, longest, self.value_bits) for q in range(p)]
+        if self.value_bits != 32:  # a rank adds its own segment as it is, the others' as they came
+            own = _unpacked(self._segments(self._checked(s), slot)[self.rank], slot, longest)
+            streams = [jax.tree.map(lambda mine, got: jnp.where(q == self.rank, mine, got), own, streams[q])
+                       for q in range(p)]
         capacity = min(largest_part_capacity(s.capacity, s.size, p, self.delta), longest)
         part = resize(merge_all(streams + [SparseStream.empty(longest, 0)] * (p == 1), delta=_PAIRS_ONLY), capacity)
         self._after(jnp.bool_(True), jnp.bool_(dense), 4 * sendbuf.shape[1] * (p - 1))
@@ -202,14 +208,14 @@ class XlaTransport(StaticBuffers):
         if width is not None and width < p:  # this rank's team of width ranks gathers its parts
             slot, capacity = allgather_capacities(-1, part.slot, n, width, self.delta)
             mine = resize(part.stream, slot)
-            buf = pack(mine.indices, mine.values, mine.nnz)
+            buf = self._pack(mine)
             teams = [list(range(t, t + width)) for t in range(0, p, width)]
             position = self._position(width)
             streams = []
             for d, got in enumerate(self._in_groups(buf, teams)):
                 start = 0 if part.regions else _table([part_bounds(n, width, q)[0] for q in range(width)],
                                                       (position - d) % width)
-                streams.append(_rebased(got, slot, n, start))
+                streams.append(_rebased(got, slot, n, start, self.value_bits))
             result = resize(merge_all(streams + [SparseStream.empty(n, 0)] * (width == 1), delta=self.delta),
                             capacity)
             self._after(jnp.bool_(True), result.is_dense, 4 * buf.shape[0] * (width - 1))
@@ -221,17 +227,20 @@ class XlaTransport(StaticBuffers):
             if quantize is not None:
                 result, sent = self._quantized_allgather(values, quantize)
             else:
-                gathered = jax.lax.all_gather(values, self.axis) if p > 1 else values[None]
-                result, sent = jnp.concatenate([gathered[q, : part_length(n, p, q)] for q in range(p)]), 4 * longest * (p - 1)
+                wire = values.astype(jnp.bfloat16) if self.value_bits == 16 else values
+                gathered = (jax.lax.all_gather(wire, self.axis) if p > 1 else wire[None]).astype(VALUE_DTYPE)
+                result = jnp.concatenate([gathered[q, : part_length(n, p, q)] for q in range(p)])
+                sent = self.value_bits // 8 * longest * (p - 1)
             self._after(jnp.bool_(True), jnp.bool_(True), sent)
             return dense_stream(result)
         slot, capacity = allgather_capacities(part.source_capacity, part.slot, n, p, self.delta)
         mine = resize(part.stream, slot)
-        buf = pack(mine.indices, mine.values, mine.nnz)
+        buf = self._pack(mine)
         gathered = jax.lax.all_gather(buf, self.axis) if p > 1 else buf[None]
         streams = []
         for q in range(p):  # each part re-based to global indices, its padding to n
-            streams.append(_rebased(gathered[q], slot, n, 0 if part.regions else part_bounds(n, p, q)[0]))
+            streams.append(_rebased(gathered[q], slot, n, 0 if part.regions else part_bounds(n, p, q)[0],
+                                    self.value_bits))
         result = resize(merge_all(streams + [SparseStream.empty(n, 0)] * (p == 1), delta=self.delta), capacity)
         self._after(jnp.bool_(True), result.is_dense, 4 * buf.shape[0] * (p - 1))
         return result
@@ -253,6 +262,8 @@ class XlaTransport(StaticBuffers):
         return jnp.concatenate(pieces), (coded.data.size + 4 * coded.scales.size) * (p - 1)
 
     def allreduce(self, s: SparseStream) -> SparseStream:
+        if self.value_bits != 32:
+            raise ValueError("psum would sum bfloat16 in bfloat16: the dense definition runs DSAR's phases instead")
         p = self.nprocs
         out = dense_stream(jax.lax.psum(densify(self._checked(s)), self.axis))
         self._after(jnp.bool_(True), jnp.bool_(True), 2 * (p - 1) / p * 4 * s.size)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import sparcml_jax as sj
+from sparcml_jax.comm.topology import part_bounds
 from _util import AXIS, CASES, MODEL, accumulators, identical_on_every_device, integer_rows, on_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
@@ -50,6 +51,58 @@ def test_sparse_allreduce_is_the_sum_on_every_device(algorithm, p):
         else:
             assert (stats.algorithm == sj.ALGORITHMS.index(algorithm)).all(), label
         assert (stats.bytes_sent > 0).all() if p > 1 else (stats.bytes_sent == 0).all(), label
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("algorithm", [*sj.ALGORITHMS, "auto"])
+def test_bfloat16_wire_on_every_device(algorithm, p):
+    """value_dtype=bfloat16 over a mesh axis: small integers (which bfloat16 holds, as every partial
+    sum of them) sum exactly, in fewer bytes than float32; fractional values give the same sum on
+    every device within bfloat16's rounding of every partial sum sent, and for the dense allreduce
+    and DSAR the reference: each owner adds the others' rounded segments to its own in rank order,
+    and its sum travels rounded."""
+    rows = [integer_rows(p, n, density, seed=7, support=support) for n, _, density, support in CASES]
+    rows += [r * np.float32(1.0 / 3.0) + np.where(r != 0, np.float32(1e-3), np.float32(0)) for r in rows]
+    capacities = [capacity for _, capacity, _, _ in CASES] * 2
+
+    def reduce_all(*xs):
+        out = []
+        for x, capacity in zip(xs, capacities):
+            stream = sj.from_dense(x, capacity=capacity)
+            total, stats = sj.sparse_allreduce(stream, axis_name=AXIS, algorithm=algorithm, cost_model=MODEL,
+                                               value_dtype=jnp.bfloat16, return_stats=True)
+            wide = sj.sparse_allreduce(stream, axis_name=AXIS, algorithm=algorithm, cost_model=MODEL,
+                                       return_stats=True)[1]
+            out.append((total.to_dense(), stats, wide.bytes_sent))
+        return out
+
+    results = on_mesh(p, reduce_all, *rows)
+    for i, ((dense, stats, wide_bytes), x) in enumerate(zip(results, rows)):
+        label = f"bfloat16 {algorithm} P={p} {CASES[i % len(CASES)]} {'integers' if i < len(CASES) else 'fractions'}"
+        assert identical_on_every_device((dense, stats.algorithm)), label
+        if p > 1:
+            assert (stats.bytes_sent < wide_bytes).all(), f"{label}: {stats.bytes_sent[0]} bytes, float32 {wide_bytes[0]}"
+        if i < len(CASES):
+            np.testing.assert_array_equal(dense[0], x.sum(axis=0), err_msg=label)
+            continue
+        total = x.astype(np.float64).sum(axis=0)
+        rounds = int(np.ceil(np.log2(max(p, 2)))) + p
+        bound = np.abs(x).astype(np.float64).sum(axis=0) * rounds * 2.0 ** -8
+        assert np.all(np.abs(dense[0] - total) <= bound + 1e-6), label
+        chosen = sj.ALGORITHMS[int(stats.algorithm[0])]
+        if chosen in ("dense", "dsar_split_allgather") and x.shape[1] == capacities[i]:
+            want = np.zeros(x.shape[1], np.float32)
+            for o in range(p):
+                lo, hi = part_bounds(x.shape[1], p, o)
+                owned = np.zeros(hi - lo, np.float32)
+                for r in range(p):
+                    owned = owned + (x[r, lo:hi] if r == o else _bf16(x[r, lo:hi]))
+                want[lo:hi] = _bf16(owned)
+            np.testing.assert_array_equal(dense[0].view(np.uint32), want.view(np.uint32), err_msg=label)
 
 
 def test_cost_model_calibrated_on_the_axis_drives_auto():

@@ -574,8 +574,9 @@ def bf16(x: np.ndarray) -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
 
 
+@pytest.mark.parametrize("transport", ["native", "mpi4jax"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS_AND_AUTO)
-def test_bfloat16_wire_on_fractional_values(algorithm):
+def test_bfloat16_wire_on_fractional_values(algorithm, transport):
     """value_dtype=bfloat16 on values bfloat16 cannot hold: every rank ends with the same sum, within
     bfloat16's rounding of every partial sum it sent; DSAR and the dense allreduce (which runs as
     DSAR's phases) are bit for bit their reference: the owner adds the rounded segments of the
@@ -585,10 +586,14 @@ def test_bfloat16_wire_on_fractional_values(algorithm):
         inp = inputs("full", density, "random")
         rows = inp.rows * np.float32(1.0 / 3.0) + np.where(inp.rows != 0, np.float32(1e-3), np.float32(0))
         x = rows[RANK]
-        label = f"bf16 {algorithm} d={density}"
+        label = f"bf16 {algorithm}/{transport} d={density}"
         try:
-            out = sparse_allreduce(from_dense(jnp.asarray(x), capacity=inp.size), algorithm=algorithm,
-                                   value_dtype=jnp.bfloat16)
+            stream = from_dense(jnp.asarray(x), capacity=inp.size)
+            out, stats = sparse_allreduce(stream, algorithm=algorithm, transport=transport, value_dtype=jnp.bfloat16,
+                                          return_stats=True)
+            wide = sparse_allreduce(stream, algorithm=algorithm, transport=transport, return_stats=True)[1]
+            if NPROCS > 1 and algorithm != "auto" and not float(stats.bytes_sent) < float(wide.bytes_sent):
+                failures.append(f"{label}: sent {float(stats.bytes_sent)} bytes, float32 {float(wide.bytes_sent)}")
             got = np.asarray(out.to_dense())
             total = rows.astype(np.float64).sum(axis=0)
             rounds = int(np.ceil(np.log2(max(NPROCS, 2)))) + NPROCS  # a partial sum rounded per message at most
@@ -610,7 +615,7 @@ def test_bfloat16_wire_on_fractional_values(algorithm):
             failures.append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
             out = None
         failures += check_identical_on_all_ranks(out, label)
-    agree_all(failures, f"bfloat16 wire {algorithm}")
+    agree_all(failures, f"bfloat16 wire {algorithm}/{transport}")
 
 
 def test_quantized_dsar_on_static_buffers_equals_its_reference():

@@ -101,15 +101,17 @@ def test_bytes_sent_match_the_schedule(case, transport, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_bfloat16_values_on_the_wire(case, algorithm):
+def test_bfloat16_values_on_the_wire(case, transport, algorithm):
     """value_dtype=bfloat16: every sum of these small integers is exact (bfloat16 holds them), and
-    every message carries 2 bytes per value: 6 per pair, 2 per dense entry."""
+    every message carries 2 bytes per value: 6 per pair, 2 per dense entry (static buffers: two
+    values to an int32 slot)."""
     inp = case_inputs(case)
-    got, local = sent_by_every_rank(inp, algorithm=algorithm, value_dtype=jnp.bfloat16)
-    want = simulated_bytes(algorithm, inp, "native", value_bytes=2)
-    failures = [] if got == want else [f"{algorithm} {case}: bytes_sent per rank {got}, expected {want}"]
-    agree_all(local + on_rank_0(failures), f"bfloat16 wire {algorithm} {case}")
+    got, local = sent_by_every_rank(inp, algorithm=algorithm, transport=transport, value_dtype=jnp.bfloat16)
+    want = simulated_bytes(algorithm, inp, transport, value_bytes=2)
+    failures = [] if got == want else [f"{algorithm}/{transport} {case}: bytes_sent per rank {got}, expected {want}"]
+    agree_all(local + on_rank_0(failures), f"bfloat16 wire {algorithm}/{transport} {case}")
 
 
 @pytest.mark.skipif(NPROCS & (NPROCS - 1) != 0 or NPROCS < 2, reason="the closed forms assume P = 2^j")
