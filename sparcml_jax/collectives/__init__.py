@@ -281,7 +281,7 @@ def _compiled(plan: Plan, algorithm: str, model: CostModel | None):
         t = Mpi4jaxTransport(plan.comm, plan.delta, stream.size, native.agree(stream, comm=plan.comm,
                                                                               signature=signature), key,
                              plan.value_bits)
-        result = definition(name)(t, with_indices(stream), **plan.options(name))  # (SSAR: nothing coded)
+        result = t.as_result(definition(name)(t, with_indices(stream), **plan.options(name)))  # (nothing coded)
         stats = AllreduceStats(jnp.int32(ALGORITHMS.index(name)), t.sent, result.nnz, t.dense_round)
         return result, stats, _no_error(plan, stream.size)
 

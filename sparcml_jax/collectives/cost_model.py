@@ -25,7 +25,7 @@ from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS, Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, codes_segments, exchange_capacity,
                                        gathered_capacity, grown_capacity, largest_part_capacity, longest_part,
                                        owned_slot, part_capacity, passed_capacity, peers_of, segment_capacities,
-                                       segment_slot, selected_capacity)
+                                       segment_slot, selected_capacity, slices_segments)
 from sparcml_jax.kernels.qsgd import qsgd_wire_bytes
 from sparcml_jax.stream import dense_threshold
 
@@ -405,6 +405,8 @@ class Pricing:
         # Every segment travels at its whole slot (static buffers), or range r of the stream goes to
         # rank r; a quantized one that travels dense goes as its QSGD codes.
         segment = 8.0 + self.slot_bytes * segment_slot(s.capacity, n, p) if self.static else self.wire(s) / p
+        if self.static and dense and quantize is None and self.value_bytes == 2 and slices_segments(s.capacity, n, p):
+            segment = 2.0 * length  # a bfloat16 range's dense values
         coded = dense and quantize is not None and (codes_segments(s.capacity, n, p) if self.static
                                                     else self.is_dense(s))
         if coded:

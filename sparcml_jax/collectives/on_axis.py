@@ -95,6 +95,7 @@ def allreduce(plan: Plan, algorithm: str, model: CostModel | None, stream: Spars
                      plan.value_bits)
     out = definition(name)(t, stream if name == "dense" else with_indices(stream), **plan.options(name))
     result, error = out if isinstance(out, tuple) else (out, None)
+    result = t.as_result(result)
     if error is not None:
         error = error.to_dense()
     elif plan.quantize and plan.quantize.feedback:  # an exact algorithm: nothing lost

@@ -33,7 +33,7 @@ from sparcml_jax.comm.static_buffers import HEADER, Part, StaticBuffers, densify
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, codes_segments,
                                        exchange_capacity, grown_capacity, longest_part, owned_slot, part_bounds,
                                        part_capacity, part_length, passed_capacity, peers_of, ring_segments,
-                                       segment_slot, selected_capacity)
+                                       segment_slot, selected_capacity, slices_segments)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
 
@@ -147,6 +147,11 @@ class Mpi4jaxTransport(StaticBuffers):
             return (part, dense_stream(error)) if feedback else part
         if feedback:  # nothing was coded: nothing lost
             return self.reduce_scatter(s, dense=dense), dense_stream(jnp.zeros((s.size,), VALUE_DTYPE))
+        if dense and self.value_bits == 16 and slices_segments(s.capacity, s.size, p):
+            total, sent = self._sliced_reduce_scatter(
+                s, lambda rows: mpi4jax.alltoall(rows, comm=self.comm) if p > 1 else rows, r)
+            self._after(True, jnp.bool_(True), sent)
+            return Part(None, total[:part_length(s.size, p, r)], s.capacity)
         slot = segment_slot(s.capacity, s.size, p)
         sendbuf = self._segments(s, slot, value_bits=self.value_bits)
         received = mpi4jax.alltoall(sendbuf, comm=self.comm) if p > 1 else sendbuf

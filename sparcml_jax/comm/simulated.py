@@ -30,7 +30,7 @@ from sparcml_jax.comm import Combine, Quantize
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, codes_segments,
                                        concatenated_capacity, exchange_capacity, grown_capacity, longest_part,
                                        owned_slot, part_bounds, part_capacity, passed_capacity, segment_capacities,
-                                       segment_slot, selected_capacity)
+                                       segment_slot, selected_capacity, slices_segments)
 from sparcml_jax.kernels.qsgd import qsgd_wire_bytes
 from sparcml_jax.stream import dense_threshold
 
@@ -136,12 +136,16 @@ class Simulated:
         compact = s.capacity >= s.n and self._threshold(s.n) - 1 <= s.n // 2
         if not compact:
             return self._static(s.capacity)
-        half, slots = s.n // 2, lambda count: -(-count * self.value_bytes // 4)  # noqa: E731
-        return 4.0 * (2 + max(half + slots(half), slots(s.n)))
+        half = s.n // 2
+        return 4.0 * (2 + max(half + self._value_slots(half), self._value_slots(s.n)))
+
+    def _value_slots(self, count: int) -> int:
+        """int32 slots of ``count`` values in a static buffer (two bfloat16 values to a slot)."""
+        return -(-count * self.value_bytes // 4)
 
     def _static(self, slot: int) -> float:
         """Bytes of a static buffer of ``slot`` pairs: its header, indices and values."""
-        return 8.0 + (4 + self.value_bytes) * slot
+        return 8.0 + 4.0 * (slot + self._value_slots(slot))
 
     def _concat(self, parts: Sequence[SimStream], capacity: int) -> SimStream:
         """Streams over the consecutive ranges of ``len(parts)`` (regions: over the whole vector)."""
@@ -198,6 +202,8 @@ class Simulated:
         n, p = self.size, self.nprocs
         capacity = s[0].capacity
         coded = dense and quantize is not None and (self.wire == "native" or codes_segments(capacity, n, p))
+        sliced = (dense and quantize is None and self.wire != "native" and self.value_bytes == 2
+                  and slices_segments(capacity, n, p))
         parts = []
         for r in range(p):
             lo, hi = part_bounds(n, p, r)
@@ -208,6 +214,8 @@ class Simulated:
                 if coded and (self.wire != "native" or segments[q].dense):
                     length = hi - lo if self.wire == "native" else longest_part(n, p)
                     self.sent[q] += qsgd_wire_bytes(length, bits=quantize.bits, bucket_size=quantize.bucket_size)
+                elif sliced:
+                    self.sent[q] += 2.0 * longest_part(n, p)
                 else:
                     self.sent[q] += (self._message(segments[q]) if self.wire == "native"
                                      else self._static(segment_slot(capacity, n, p)))
@@ -233,7 +241,8 @@ class Simulated:
                 travelling = [part[r] for r in members]
                 slot, capacity = allgather_capacities(-1, travelling[0].slot, n, width, self.delta)
                 for r in members:
-                    self.sent[r] += (width - 1) * (self._message(part[r]) if self.wire == "native" else self._static(slot))
+                    message = self._message(part[r]) if self.wire == "native" else self._static(slot)
+                    self.sent[r] += (width - 1) * message
                 whole = self._concat(travelling, capacity)
                 for r in members:
                     out[r] = dataclasses.replace(whole)
@@ -272,7 +281,8 @@ class Simulated:
         out = [None] * p
         for column in columns:
             for r in column:
-                self.sent[r] += (g - 1) * (self._message(s[r]) if self.wire == "native" else self._static(s[r].capacity))
+                message = self._message(s[r]) if self.wire == "native" else self._static(s[r].capacity)
+                self.sent[r] += (g - 1) * message
             total = dataclasses.replace(s[column[0]], capacity=capacity)
             for r in column[1:]:
                 total = self._add(total, s[r], capacity)

@@ -91,6 +91,11 @@ class StaticBuffers:
     def _unpack(self, buf: jax.Array, capacity: int):
         return unpack(buf, capacity, self.value_bits)
 
+    def as_result(self, s: SparseStream) -> SparseStream:
+        """An algorithm's result, as every rank holds it: on a bfloat16 wire its values rounded
+        (as the native engine ends), since a rank that handed the total on holds it as sent."""
+        return self._as_sent(s)
+
     def _as_sent(self, s: SparseStream) -> SparseStream:
         """``s`` as its message delivers it. On a bfloat16 wire a rank keeps what it sends in
         that form, so that every rank that adds the same streams holds the same sum."""
@@ -192,6 +197,24 @@ class StaticBuffers:
         lost = [jnp.where(r == rank, 0.0, slices[r] - qsgd_dequantize(c))[:hi - lo]
                 for r, (c, (lo, hi)) in enumerate(zip(coded, (part_bounds(n, p, r) for r in range(p))))]
         return total, (coded[0].data.size + 4 * coded[0].scales.size) * (p - 1), jnp.concatenate(lost)
+
+    def _sliced_reduce_scatter(self, s: SparseStream, all_to_all, rank) -> tuple[jax.Array, int]:
+        """(The dense sum of range ``rank``, zero-padded to the longest range; bytes sent.) On a
+        bfloat16 wire every range travels as its dense bfloat16 values, and the owner adds the
+        others' to its own in rank order in float32, as the native engine does. ``all_to_all``
+        exchanges rows [P, ...] (row r to rank r)."""
+        p, n = self.nprocs, s.size
+        longest = longest_part(n, p)
+        values = densify(self._checked(s))
+        slices = jnp.stack([jnp.pad(values[lo:hi], (0, longest - (hi - lo)))
+                            for lo, hi in (part_bounds(n, p, r) for r in range(p))])
+        bits = jax.lax.bitcast_convert_type(slices.astype(jnp.bfloat16), jnp.uint16)
+        received = jax.lax.bitcast_convert_type(all_to_all(bits), jnp.bfloat16).astype(VALUE_DTYPE)
+        own = slices[rank]
+        total = jnp.zeros((longest,), VALUE_DTYPE)
+        for source in range(p):
+            total = total + jnp.where(source == rank, own, received[source])
+        return total, 2 * longest * (p - 1)
 
     def split(self, s: SparseStream, *, fan_in: int = 1, parts: int | None = None) -> list[SparseStream]:
         p = self.nprocs if parts is None else parts

@@ -36,6 +36,12 @@ def codes_segments(capacity: int, size: int, parts: int) -> bool:
     return 2 * segment_slot(capacity, size, parts) >= longest_part(size, parts)
 
 
+def slices_segments(capacity: int, size: int, parts: int) -> bool:
+    """Whether a reduce-scatter into dense ranges on static buffers with bfloat16 values sends
+    each range's dense values: once a segment's slot of pairs (6 bytes each) could hold them (2 each)."""
+    return 3 * segment_slot(capacity, size, parts) >= longest_part(size, parts)
+
+
 def lower_power_of_two(p: int) -> int:
     return 1 << (p.bit_length() - 1)
 

@@ -31,7 +31,7 @@ from sparcml_jax.comm.static_buffers import Part, StaticBuffers, densify, pack, 
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, codes_segments,
                                        concatenated_capacity, exchange_capacity, grown_capacity,
                                        largest_part_capacity, longest_part, owned_slot, part_bounds, part_length,
-                                       passed_capacity, segment_capacities, segment_slot)
+                                       passed_capacity, segment_capacities, segment_slot, slices_segments)
 from sparcml_jax.kernels.merge import merge, merge_all
 from sparcml_jax.kernels.partition import partition_bounds
 from sparcml_jax.stream import INDEX_DTYPE, VALUE_DTYPE, SparseStream, dense_stream, resize
@@ -186,6 +186,11 @@ class XlaTransport(StaticBuffers):
             return (Part(None, total, s.capacity), dense_stream(error)) if feedback else Part(None, total, s.capacity)
         if feedback:  # nothing was coded: nothing lost
             return self.reduce_scatter(s, dense=dense), dense_stream(jnp.zeros((s.size,), VALUE_DTYPE))
+        if dense and self.value_bits == 16 and slices_segments(s.capacity, s.size, p):
+            total, sent = self._sliced_reduce_scatter(
+                s, lambda rows: jax.lax.all_to_all(rows, self.axis, 0, 0) if p > 1 else rows, self.rank)
+            self._after(jnp.bool_(True), jnp.bool_(True), sent)
+            return Part(None, total, s.capacity)
         slot = segment_slot(s.capacity, s.size, p)
         sendbuf = self._segments(self._checked(s), slot, value_bits=self.value_bits)
         received = jax.lax.all_to_all(sendbuf, self.axis, 0, 0) if p > 1 else sendbuf
