@@ -98,15 +98,18 @@ class Mpi4jaxTransport(StaticBuffers):
         if compact:
             return self._unpack_compact(received[0], recv_size, recv_capacity), sent
         counts, indices, values = received
-        if self.value_bits != 32:
-            values = jax.lax.bitcast_convert_type(values, jnp.bfloat16).astype(VALUE_DTYPE)
-        return SparseStream(indices, values, counts[0], recv_size), sent
+        return SparseStream(indices, self._from_wire_values(values), counts[0], recv_size), sent
 
     def _wire_values(self, values: jax.Array) -> jax.Array:
         """Values as a message carries them: float32, or bfloat16 bits (mpi4jax sends no bfloat16)."""
         if self.value_bits == 32:
             return values
         return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+
+    def _from_wire_values(self, received: jax.Array) -> jax.Array:
+        if self.value_bits == 32:
+            return received
+        return jax.lax.bitcast_convert_type(received, jnp.bfloat16).astype(VALUE_DTYPE)
 
     def _combine(self, kept: SparseStream, got: SparseStream | None, capacity: int, combine: Combine) -> SparseStream:
         if got is None:
@@ -210,9 +213,7 @@ class Mpi4jaxTransport(StaticBuffers):
             else:
                 slot = longest_part(n, p)
                 buf = self._wire_values(jnp.concatenate([values, jnp.zeros((slot - values.shape[0],), VALUE_DTYPE)]))
-                gathered = mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None]
-                if self.value_bits != 32:
-                    gathered = jax.lax.bitcast_convert_type(gathered, jnp.bfloat16).astype(VALUE_DTYPE)
+                gathered = self._from_wire_values(mpi4jax.allgather(buf, comm=self.comm) if p > 1 else buf[None])
                 result = jnp.concatenate([gathered[q, : part_length(n, p, q)] for q in range(p)])
                 sent = buf.dtype.itemsize * slot * (p - 1)
             self._after(True, jnp.bool_(True), sent)

@@ -377,9 +377,9 @@ _run_p = ordered_ffi_primitive(
 _start_p = ordered_ffi_primitive("sparcml_engine_start", "sparcml_engine_start", "SparcmlEngineStart",
                                  lambda *avals, **_: [_ShapedArray((), INDEX_DTYPE)])
 _wait_p = ordered_ffi_primitive("sparcml_engine_wait", "sparcml_engine_wait", "SparcmlEngineWait",
-                                lambda job, *after, capacity, index_capacity, value_dtype: _results(
-                                    int(capacity), int(index_capacity), value_dtype),
-                                shape_params=("capacity", "index_capacity", "value_dtype"))
+                                lambda job, *after, capacity, index_capacity: _results(
+                                    int(capacity), int(index_capacity), jnp.dtype(VALUE_DTYPE).name),
+                                shape_params=("capacity", "index_capacity"))
 
 
 def _attributes(program: Program, comm: MPI.Comm, signature: Signature, delta: float, rejected: bool) -> dict:
@@ -430,7 +430,8 @@ def _bind_run(program: Program, s: SparseStream | jax.Array, comm, signature, de
         s.indices, s.values, s.nnz, _key_or_zeros(key_words), capacity=i64(capacity),
         index_capacity=i64(program.index_capacity),
         residual_size=i64(program.size if program.residual >= 0 else 0), residual=i64(program.residual),
-        value_dtype=s.values.dtype.name, divisor=float(divisor), **_attributes(program, comm, signature, delta, rejected))
+        value_dtype=s.values.dtype.name, divisor=float(divisor),
+        **_attributes(program, comm, signature, delta, rejected))
     result = (SparseStream if val.dtype == VALUE_DTYPE else _DenseVector)(idx, val, nnz, program.size)
     return result, algorithm, sent, dense_round, residual
 
@@ -460,16 +461,13 @@ def start(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signa
     return job
 
 
-def wait(job: jax.Array, *, size: int, capacity: int, index_capacity: int | None = None, after=(),
-         value_dtype: Any = VALUE_DTYPE):
+def wait(job: jax.Array, *, size: int, capacity: int, index_capacity: int | None = None, after=()):
     """Blocks until job ``job`` is done; returns (result, algorithm code, bytes sent, dense round).
     ``index_capacity`` (default ``capacity``) is 0 for a program whose result is dense by
-    construction; the result's values are ``value_dtype`` (float32 or bfloat16). The arrays of
-    ``after`` become operands (unread), so XLA computes them before the wait."""
+    construction. The arrays of ``after`` become operands (unread), so XLA computes them before the wait."""
     index_capacity = capacity if index_capacity is None else index_capacity
     idx, val, nnz, algorithm, sent, dense_round = _wait_p.bind(job, *jax.tree.leaves(after), capacity=i64(capacity),
-                                                               index_capacity=i64(index_capacity),
-                                                               value_dtype=jnp.dtype(value_dtype).name)
+                                                               index_capacity=i64(index_capacity))
     return SparseStream(idx, val, nnz, size), algorithm, sent, dense_round
 
 
