@@ -183,9 +183,8 @@ def nonzeros_allreduce(
       >>> float(nonzeros_allreduce(x).sum()) == MPI.COMM_WORLD.size
       True
     """
-    if not isinstance(average, bool):
-        raise TypeError(f"average must be a bool, got {average!r}")
     if axis_name is not None:
+        check_average(average)
         x = check_vector(x, "x", dtype=VECTOR_DTYPES)
         total, *rest = sparse_allreduce(
             from_dense(x.astype(jnp.float32), delta=delta), axis_name=axis_name, comm=comm, algorithm=algorithm,
@@ -197,6 +196,7 @@ def nonzeros_allreduce(
     comm = resolve_comm(comm)
     transport = "native" if transport is None else transport
     try:
+        check_average(average)
         x = check_vector(x, "x", dtype=VECTOR_DTYPES)
         shaped = dense_stream(jax.ShapeDtypeStruct(x.shape, jnp.float32))  # (checked, not computed)
         plan = check_allreduce(comm, shaped, algorithm=algorithm, transport=transport, delta=delta,
@@ -209,6 +209,11 @@ def nonzeros_allreduce(
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
     return _returned(*call_and_recover(_compiled_on_nonzeros(plan, algorithm, model, average), x, key),
                      return_stats)
+
+
+def check_average(average: Any) -> None:
+    if not isinstance(average, bool):
+        raise TypeError(f"average must be a bool (divide the sum by the number of ranks), got {average!r}")
 
 
 @functools.lru_cache(maxsize=256)
