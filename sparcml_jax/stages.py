@@ -80,7 +80,7 @@ from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
 from sparcml_jax.sparsifiers import Sparsifier, resolve
-from sparcml_jax.stream import VALUE_DTYPE, SparseStream, dense_stream, resize, with_indices
+from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_stream, resize, with_indices
 
 SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled dense
 
@@ -254,11 +254,13 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
     Stream leaves are summed by :func:`sparcml_jax.sparse_allreduce` (``algorithm``,
     ``transport``, QSGD with ``quantize_bits`` on DSAR's dense phase, keyed per buffer like
     :func:`sparsify`); dense leaves travel in one dense allreduce. Of a
-    :class:`~sparcml_jax.transform.LeafGroups`, the small leaves travel dense, the fused buffers
-    as streams (a dense buffer is sent as its nonzeros, exactly, by
+    :class:`~sparcml_jax.transform.LeafGroups`, the fused buffers travel as streams, the small
+    leaves' entries appended whole to the first one, so that one collective carries both (a dense buffer is sent as its nonzeros, exactly, by
     :func:`sparcml_jax.nonzeros_allreduce`; with ``capacity`` at most that many of them, or dense
     when any rank has more or during warm-up), and the streams the gradient brought are
-    summed exactly, without QSGD. The averaged result is ``sum_i s_i / P``.
+    summed exactly, without QSGD. The small leaves take a dense allreduce of their own with
+    ``capacity``, ``nonblocking`` and ``quantize_feedback``, and when the first buffer is
+    bfloat16 and they are not. The averaged result is ``sum_i s_i / P``.
 
     Args:
       algorithm, transport, delta, bucket_size, quantize_scale, cost_model: passed to
@@ -275,7 +277,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         (:class:`~sparcml_jax.transform.LeafGroups`) to size it. The allgather phase's error is
         the same on every rank and left to QSGD's unbiasedness.
       value_dtype: ``jnp.bfloat16``: the streams' values travel as bfloat16 (see
-        :func:`sparcml_jax.sparse_allreduce`); the small leaves' dense allreduce stays float32.
+        :func:`sparcml_jax.sparse_allreduce`).
       capacity: a bound on the nonzeros of a rank's dense fused buffer (see above).
       warmup_steps: steps during which dense fused buffers travel dense; the stats then report
         algorithm -1 (pair with :func:`sparsify`'s ``warmup_steps``).
@@ -338,7 +340,6 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
             key, keys = jax.random.key_data(key), [jax.random.fold_in(step_key, g) for g in range(len(fused))]
         warming = warming_up(state.count, warmup_steps)
-        reduced_dense = dense_sum(dense, group, average)
         if quantize_feedback:
             if any(is_stream(x) for x in fused):
                 raise TypeError("quantize_feedback adds QSGD's split-phase error to dense buffers; these were "
@@ -347,6 +348,14 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         pending = [_prepare(x, warming, capacity, group, nonblocking) for x in fused]
         fused = [x.astype(VALUE_DTYPE) if stream is not None and not is_stream(x) else x
                  for x, (stream, _) in zip(fused, pending)]
+        sizes = [x.size if is_stream(x) else x.shape[0] for x in fused] + [s.size for s in given]
+        carried = hasattr(updates, "parts") and _carries_small(dense, fused, pending, nonblocking, quantize_feedback)
+        if carried:
+            fused[0], pending[0] = _with_small(fused[0], pending[0][0], dense)
+            sizes[0] += sum(jnp.size(x) for x in dense)
+            reduced_dense = []
+        else:
+            reduced_dense = dense_sum(dense, group, average)
         on_group = dict(collective, transport=group.transport(transport))
         on_group = dict(on_group, value_dtype=value_dtype) if value_dtype is not None else on_group
         options = [dict(on_group, quantize_bits=quantize_bits, key=k, quantize_feedback=quantize_feedback)
@@ -367,7 +376,8 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
             results = [r[:3] for r in reduced]
             errors = tuple(r[3] for r in reduced[:len(fused)]) if quantize_feedback else ()
         out = [r for r, _, _ in results]
-        sizes = [x.size if is_stream(x) else x.shape[0] for x in fused] + [s.size for s in given]
+        if carried:
+            out[0], reduced_dense = _without_small(out[0], dense)
         stats = _stats(sizes, results, len(fused), warming)
         new_state = ReduceState(state.count + 1, key, stats, errors)
         rebuilt = updates.replace_parts(reduced_dense, out[:len(fused)], out[len(fused):]) \
@@ -381,6 +391,35 @@ def _parts(tree: Any) -> tuple[list, list, list]:
     """An ordinary pytree's dense leaves (sent dense) and stream leaves (reduced as streams)."""
     leaves = jax.tree.leaves(tree, is_leaf=is_stream)
     return [x for x in leaves if not is_stream(x)], [x for x in leaves if is_stream(x)], []
+
+
+def _carries_small(dense: list, fused: list, pending: list, nonblocking: bool, quantize_feedback: bool) -> bool:
+    """Whether the small leaves ride in the first fused buffer's collective (one collective per
+    step instead of two). They travel in a dense allreduce of their own on the non-blocking engine,
+    with ``quantize_feedback`` (whose error is sized by the buffers), when the exact mode's
+    ``capacity`` may send the buffer dense instead, and when a bfloat16 buffer would round float32
+    leaves."""
+    if not dense or not fused or nonblocking or quantize_feedback or pending[0][1] is not None:
+        return False
+    vector = fused[0]
+    return pending[0][0] is not None or vector.dtype == VALUE_DTYPE or all(
+        jnp.result_type(x) == vector.dtype for x in dense)
+
+
+def _with_small(vector: Any, stream: SparseStream | None, dense: list) -> tuple[Any, tuple]:
+    """The first fused buffer (and its stream) with every entry of the small leaves after its own."""
+    if stream is None:  # XLA merges this concatenation into fuse_leaves' own
+        return jnp.concatenate([vector] + [jnp.ravel(x).astype(vector.dtype) for x in dense]), (None, None)
+    tail = jnp.concatenate([jnp.ravel(x).astype(VALUE_DTYPE) for x in dense])
+    return vector, (append_dense(stream, tail), None)
+
+
+def _without_small(total: Any, dense: list) -> tuple[jax.Array, list]:
+    """The first fused buffer's sum (dense: its leaves are densified next) and the small leaves'."""
+    total = total.to_dense() if is_stream(total) else total
+    m = sum(jnp.size(x) for x in dense)
+    n = total.shape[0] - m
+    return total[:n], split_like(total[n:], [(jnp.shape(x), jnp.result_type(x)) for x in dense])
 
 
 def _replace_parts(tree: Any, dense: list, streams: list) -> Any:

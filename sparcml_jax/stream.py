@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 INDEX_DTYPE = jnp.int32
 VALUE_DTYPE = jnp.float32
@@ -199,3 +200,19 @@ def resize(s: SparseStream, capacity: int) -> SparseStream:
             s.size,
         )
     return SparseStream(s.indices[:capacity], s.values[:capacity], s.nnz, s.size)
+
+
+def append_dense(s: SparseStream, tail: jax.Array) -> SparseStream:
+    """``s`` followed by every entry of the float32 vector ``tail``: a stream of size
+    ``s.size + m`` whose last ``m`` entries are ``tail``'s. Their pairs follow ``s``'s valid pairs
+    (so they stay sorted); a stream in the dense representation stays dense. An invalid ``s`` (a
+    count past its capacity) stays invalid."""
+    n, m = s.size, tail.shape[0]
+    size = check_size(n + m)
+    if s.dense_by_construction:
+        return dense_stream(jnp.concatenate([s.values, tail]))
+    valid = jnp.arange(s.capacity) < s.nnz
+    indices = jnp.concatenate([jnp.where(valid, s.indices, size), jnp.full((m,), size, INDEX_DTYPE)])
+    indices = lax.dynamic_update_slice(indices, jnp.arange(n, size, dtype=INDEX_DTYPE), (s.nnz,))
+    values = lax.dynamic_update_slice(jnp.concatenate([s.values, jnp.zeros((m,), VALUE_DTYPE)]), tail, (s.nnz,))
+    return SparseStream(indices, values, s.nnz + m, size)

@@ -3,8 +3,8 @@
 :func:`allreduce_gradients` chains the stages of :mod:`sparcml_jax.stages`:
 ``error_feedback(fuse_leaves(sparsify(...)))``, then ``reduce_streams(...)``, then ``densify()``.
 :func:`fuse_leaves` groups the gradient's leaves (:func:`plan_leaves`, a pure function): small
-leaves travel in one dense allreduce, the others are flattened into fused buffers (one, one per
-leaf, or DDP-style buckets), and leaves that already are streams are summed exactly on their own.
+leaves are sent whole, the others are flattened into fused buffers (one, one per leaf, or
+DDP-style buckets), and leaves that already are streams are summed exactly on their own.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class LeafGroups:
     """A gradient pytree packed by :func:`fuse_leaves`, the stream between the preset's stages.
 
     Attributes:
-      dense: the small leaves, each as it was (they travel in one dense allreduce).
+      dense: the small leaves, each as it was (sent whole, never sparsified).
       fused: one flat buffer per group (bfloat16 when all its leaves are, else float32), or the
         stream a sparsifier made of it.
       given: the gradient's own :class:`SparseStream` leaves (summed exactly).
@@ -257,8 +257,9 @@ def allreduce_gradients(
         segments that turned dense and its allgather phase carry b-bit codes and one float32
         scale per ``bucket_size`` values; sparse segments stay exact pairs. ``"auto"`` then
         takes neither the float32 dense allreduce nor the ring, so without ``density`` a dense
-        gradient is quantized end to end (about b/32 of float32's bytes, both phases); the small
-        leaves (``min_size``) and warm-up steps still travel in float32.
+        gradient is quantized end to end (about b/32 of float32's bytes, both phases); warm-up
+        steps still travel in float32. The small leaves (``min_size``) travel inside the first
+        fused buffer's collective, so they are coded where its sum goes dense.
       quantize_feedback: with ``quantize_bits`` and no ``density``/``k``: error feedback for
         the split phase's coding (EF-SGD): each rank adds what its codes lost last step to its
         next gradient buffer (the state's ``quantization_error``). The allgather phase's error is
@@ -267,8 +268,7 @@ def allreduce_gradients(
         can be as large as its bucket's scale and feeds on itself (digits, P = 4, 20 epochs:
         4.7 points below float32 with it, 0.3 without); use it at 4 or 8 bits.
       value_dtype: ``jnp.bfloat16``: the gradient's values travel as bfloat16, sparse pairs
-        included (half a float32 value's bytes; sums stay float32; the small leaves' allreduce
-        stays float32); any transport, no ``buckets``. See
+        and the small leaves included (half a float32 value's bytes; sums stay float32); any transport, no ``buckets``. See
         :func:`sparcml_jax.sparse_allreduce`. Independently of it, a bfloat16 gradient without
         ``density``/``k`` goes to the native engine in bfloat16 buffers, with no float32 copy
         (:func:`sparcml_jax.nonzeros_allreduce`); error feedback, ``capacity``, warm-up and
@@ -295,7 +295,10 @@ def allreduce_gradients(
         (typed as varying over the axis: return them with ``check_vma=False``).
       average: divide the sum by the number of ranks.
       warmup_steps: send dense for the first steps (default 0).
-      min_size: leaves with fewer entries travel in one dense allreduce (default 1024).
+      min_size: leaves with fewer entries are sent whole, never sparsified (default 1024). They
+        ride in the first fused buffer's collective, after its entries: one collective per step.
+        They take a dense allreduce of their own with ``buckets``, ``capacity`` or
+        ``quantize_feedback`` (see :func:`sparcml_jax.reduce_streams`).
       fuse: reduce all other leaves as one flattened buffer (one collective), or each leaf alone.
       seed: seeds the PRNG keys kept in the state (default 0).
       capacity: exact mode only: a bound on the nonzeros of a rank's gradient buffer. Smaller
@@ -328,8 +331,8 @@ def allreduce_gradients(
       >>> updates, state = jax.jit(tx.update)(grads, state, params)
       >>> int((updates["w"] != 0).sum())  # ceil(1 % of 4096) weights this step; the rest waits
       41
-      >>> float(optax.tree_utils.tree_get(state, "stats").density)  # of the 4096 fused entries
-      0.010009765625
+      >>> float(optax.tree_utils.tree_get(state, "stats").density)  # those and the 64 biases, of 4160
+      0.02524038404226303
     """
     density, k, quantize_bits, capacity, buckets = (_static(v, name) for v, name in (
         (density, "density"), (k, "k"), (quantize_bits, "quantize_bits"), (capacity, "capacity"),

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sparcml_jax import SparseStream, dense_threshold
 from sparcml_jax.kernels.partition import partition_bounds, split
+from sparcml_jax.stream import append_dense
 
 ERRORS = (ValueError, RuntimeError)
 
@@ -49,6 +50,29 @@ def test_round_trip_matches_numpy(size, count, capacity):
         np.testing.assert_array_equal(np.asarray(s.indices)[:n], np.flatnonzero(x))
         np.testing.assert_array_equal(np.asarray(s.indices)[n:], size)
         np.testing.assert_array_equal(np.asarray(s.values)[n:], 0.0)
+
+
+@pytest.mark.parametrize("size,count,capacity", [(9, 0, 3), (9, 2, 5), (64, 10, 16), (64, 40, None), (64, 64, 64),
+                                                 (0, 0, 0)])
+@pytest.mark.parametrize("m", [0, 1, 7])
+def test_append_dense_matches_numpy_concatenate(size, count, capacity, m):
+    """The appended entries follow the valid pairs, sorted, whatever the form of ``s``."""
+    x = with_nonzeros(size, count, value=-2.5)
+    tail = np.arange(1, m + 1, dtype=np.float32) * np.float32(0.5) - 1  # one entry is 0
+    s = jax.jit(append_dense)(from_dense_jit(capacity)(x), tail)
+    assert s.size == size + m and int(s.nnz) in (count + m, size + m)
+    np.testing.assert_array_equal(np.asarray(to_dense_jit()(s)), np.concatenate([x, tail]))
+    if int(s.nnz) != s.size:
+        np.testing.assert_array_equal(np.diff(np.asarray(s.indices)[:int(s.nnz)]) > 0, True)
+    whole = jax.jit(append_dense)(SparseStream.dense(jnp.asarray(x)), tail)
+    assert whole.dense_by_construction
+    np.testing.assert_array_equal(np.asarray(to_dense_jit()(whole)), np.concatenate([x, tail]))
+
+
+def test_append_dense_keeps_an_invalid_stream_invalid():
+    s = jax.jit(append_dense)(from_dense_jit(3)(with_nonzeros(10, 5)), jnp.ones(2))
+    with pytest.raises(ERRORS, match="exceeds its capacity"):
+        to_dense_jit()(s).block_until_ready()
 
 
 def test_docstring_example_eager():

@@ -63,7 +63,7 @@ def test_identical_parameters_after_every_step():
     run_and_agree(check, "identical parameters")
 
 
-@pytest.mark.parametrize("options", [dict(capacity=2000), dict(buckets=2)])
+@pytest.mark.parametrize("options", [dict(), dict(transport="mpi4jax"), dict(capacity=2000), dict(buckets=2)])
 def test_exact_mode_equals_dense_sum(options):
     def check():
         tx = sparcml_jax.allreduce_gradients(average=False, **options)
@@ -75,6 +75,33 @@ def test_exact_mode_equals_dense_sum(options):
                 if not np.array_equal(np.asarray(a), b)]
 
     run_and_agree(check, "exact mode")
+
+
+@pytest.mark.parametrize("options, calls", [
+    (dict(), 1), (dict(density=0.05), 1), (dict(density=0.05, value_dtype=jnp.bfloat16), 1),
+    (dict(density=0.05, quantize_bits=4), 1), (dict(density=0.05, warmup_steps=1), 1), (dict(warmup_steps=1), 1),
+    (dict(capacity=100), 4)])
+def test_small_leaves_ride_in_the_fused_buffers_collective(options, calls):
+    """The small leaves ("b", 40 entries) travel in the first fused buffer's collective, whole: the
+    step's program makes one MPI call, and their sum is exact, also beside top-k. With the exact
+    mode's ``capacity`` (a cond of the dense allreduce and the sparse one, after an agreement on
+    the counts) they take an allreduce of their own."""
+    from sparcml_jax.bench.train import mpi_calls
+
+    def check():
+        tx = sparcml_jax.allreduce_gradients(average=False, **options)
+        state = tx.init(_params())
+        update = jax.jit(tx.update)
+        failures = []
+        if COMM.size > 1 and mpi_calls(update.lower(_grads(0), state).as_text()) != calls:
+            failures.append(f"{mpi_calls(update.lower(_grads(0), state).as_text())} MPI calls in the step, not {calls}")
+        for t in range(3):
+            out, state = update(_grads(t), state)
+            if not np.array_equal(np.asarray(out["b"]), np.sum(COMM.allgather(np.asarray(_grads(t)["b"])), axis=0)):
+                failures.append(f"step {t}: the small leaf's sum differs from np.sum")
+        return failures
+
+    run_and_agree(check, f"small leaves {options}")
 
 
 @pytest.mark.parametrize("transport", ["native", "mpi4jax"])
