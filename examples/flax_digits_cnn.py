@@ -68,15 +68,8 @@ def same_on_every_rank(params, comm: MPI.Comm) -> bool:
     return comm.allreduce(np.array_equal(flat, comm.bcast(flat, root=0)), op=MPI.LAND)
 
 
-def train(name: str, reducer: optax.GradientTransformation, data, args, comm: MPI.Comm) -> dict:
-    rank, nprocs = comm.Get_rank(), comm.Get_size()
-    x_train, y_train, x_test, y_test = data
-    per_rank = len(x_train) // nprocs
-    x_mine, y_mine = x_train[rank * per_rank:(rank + 1) * per_rank], y_train[rank * per_rank:(rank + 1) * per_rank]
-    model = CNN(jnp.dtype(args.dtype))
-    params = model.init(jax.random.key(args.seed), x_test[:1])["params"]  # the same on every rank
-    tx = optax.chain(reducer, optax.adam(args.lr))
-    opt_state = tx.init(params)
+def make_step(tx: optax.GradientTransformation, model: CNN):
+    """The jitted train step: the gradient, ``tx``'s update (the reducer first), the new parameters."""
 
     def loss_fn(p, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
@@ -87,6 +80,19 @@ def train(name: str, reducer: optax.GradientTransformation, data, args, comm: MP
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
+    return step
+
+
+def train(name: str, reducer: optax.GradientTransformation, data, args, comm: MPI.Comm) -> dict:
+    rank, nprocs = comm.Get_rank(), comm.Get_size()
+    x_train, y_train, x_test, y_test = data
+    per_rank = len(x_train) // nprocs
+    x_mine, y_mine = x_train[rank * per_rank:(rank + 1) * per_rank], y_train[rank * per_rank:(rank + 1) * per_rank]
+    model = CNN(jnp.dtype(args.dtype))
+    params = model.init(jax.random.key(args.seed), x_test[:1])["params"]  # the same on every rank
+    tx = optax.chain(reducer, optax.adam(args.lr))
+    opt_state = tx.init(params)
+    step = make_step(tx, model)
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(model.apply({"params": p}, x_test), -1) == y_test))
     rng = np.random.default_rng(args.seed + rank)
     steps, times = per_rank // args.batch, []

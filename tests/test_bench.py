@@ -156,16 +156,18 @@ def test_quick_train_benchmark(tmp_path):
     assert abs(url["sparse"] - url["dense"]) < 1e-5 and abs(url["1-line"] - url["dense"]) < 1e-5, url
 
 
-def test_train_breakdown_takes_the_digits_step_apart(tmp_path):
+@pytest.mark.parametrize("model", ["digits_mlp", "flax_digits_cnn"])
+def test_train_breakdown_takes_an_examples_step_apart(model, tmp_path):
+    """The CNN's small leaves (below the default min_size) ride in the fused buffer's collective."""
     out = tmp_path / "breakdown.json"
-    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "train", "--breakdown", "--quick", "--json", str(out)],
-                              timeout=300)
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "train", "--breakdown", "--quick", "--model", model,
+                                  "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {r["part"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"dense step", "sparse step", "model and optimizer only", "+ selection and error feedback",
                          "the collective alone (dsar_split_allgather)", "QSGD 4-bit coding of N / P alone"}
     assert all(r["ms"] > 0 for r in rows.values()) and rows["dense step"]["vs_dense"] == 1.0
-    # One MPI call per step each way (the small leaves travel in the fused buffer), none without communication.
+    # One MPI call per step each way, none without communication.
     calls = {part: r["mpi_calls"] for part, r in rows.items()}
     assert calls["dense step"] == calls["sparse step"] == calls["the collective alone (dsar_split_allgather)"] == 1
     assert calls["model and optimizer only"] == calls["+ selection and error feedback"] == 0

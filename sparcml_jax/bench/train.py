@@ -6,8 +6,8 @@ engine) from a source checkout, and prints per run the median step time, the fin
 the training time until the epoch loss first reaches the target: the worst final loss of the
 example's runs times (1 + --tolerance), a loss every run reaches.
 
-``--breakdown`` shows instead where the digits example's sparse step spends its time, beside its
-dense step: the steps and their parts timed as programs of their own, in alternating blocks in
+``--breakdown`` shows instead where an example's sparse step spends its time (the digits MLP, or
+the Flax CNN with ``--model flax_digits_cnn``), beside its dense step: the steps and their parts timed as programs of their own, in alternating blocks in
 one process (medians, maximum over ranks), and the MPI calls each step makes.
 """
 
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="small data and few epochs (a smoke run)")
     p.add_argument("--breakdown", action="store_true",
                    help="where the digits sparse step's time goes, beside the dense step (instead of the runs)")
+    p.add_argument("--model", default="digits_mlp", choices=["digits_mlp", "flax_digits_cnn"],
+                   help="breakdown: the example whose step is taken apart")
     p.add_argument("--density", type=float, default=0.01, help="breakdown: top-k density of the sparse step")
     p.add_argument("--algorithm", default="dsar_split_allgather", choices=[*sparcml_jax.ALGORITHMS, "auto"],
                    help="breakdown: the sparse step's algorithm")
@@ -130,20 +132,33 @@ def _alternating(programs: dict, steps: int, blocks: int, comm: MPI.Comm) -> dic
     return {name: comm.allreduce(statistics.median(t), op=MPI.MAX) for name, t in times.items()}
 
 
+def _model(name: str):
+    """(x, y, params, make_step) of an example: the digits MLP, whose reducer fuses every leaf
+    (``min_size=0``, as the example runs it), or the Flax CNN with the default ``min_size``."""
+    if name == "digits_mlp":
+        digits_mlp = _example(name)
+        x, y, _, _ = digits_mlp.load_data()
+        return x, y, digits_mlp.init_mlp(jax.random.key(0), [64, 256, 256, 10]), digits_mlp.make_step, 0
+    cnn = _example(name)
+    x, y, x_test, _ = cnn.load(0)
+    model = cnn.CNN()
+    return x, y, model.init(jax.random.key(0), x_test[:1])["params"], lambda tx: cnn.make_step(tx, model), 1024
+
+
 def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
-    """The digits example's sparse step (top-k ``--density`` + error feedback, ``--algorithm``,
-    ``--bits`` QSGD) taken apart: the model and optimizer alone, plus the selection and error
-    feedback, plus the collective (the whole step); the collective and QSGD's coding alone."""
-    digits_mlp = _example("digits_mlp")
+    """An example's sparse step (``--model``; top-k ``--density`` + error feedback,
+    ``--algorithm``, ``--bits`` QSGD) taken apart: the model and optimizer alone, plus the
+    selection and error feedback, plus the collective (the whole step); the collective and QSGD's
+    coding alone."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
-    x_all, y_all, _, _ = digits_mlp.load_data()
+    x_all, y_all, initial, make_step, min_size = _model(args.model)
     rng = np.random.default_rng(rank)
     batches = [rng.integers(0, len(x_all), 16) for _ in range(64)]
-    bits = digits_mlp.qsgd_bits(args.algorithm, args.bits)
-    compression = dict(density=args.density, algorithm=args.algorithm, min_size=0,
+    bits = _example("digits_mlp").qsgd_bits(args.algorithm, args.bits)
+    compression = dict(density=args.density, algorithm=args.algorithm, min_size=min_size,
                        **({} if bits is None else dict(quantize_bits=bits)))
     local = optax.chain(sparcml_jax.error_feedback(sparcml_jax.fuse_leaves(
-        sparcml_jax.sparsify(density=args.density), min_size=0)), sparcml_jax.densify())
+        sparcml_jax.sparsify(density=args.density), min_size=min_size)), sparcml_jax.densify())
     reducers = {"dense step": sparcml_jax.dense_allreduce_gradients(),
                 "sparse step": sparcml_jax.allreduce_gradients(**compression),
                 "model and optimizer only": optax.identity(),
@@ -151,8 +166,8 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     programs, calls = {}, {}
     for name, reducer in reducers.items():
         tx = optax.chain(reducer, optax.adam(1e-3))
-        step = digits_mlp.make_step(tx)
-        params = digits_mlp.init_mlp(jax.random.key(0), [64, 256, 256, 10])
+        step = make_step(tx)
+        params = jax.tree.map(jnp.copy, initial)  # each step donates its own
         state = [params, tx.init(params), 0]
         calls[name] = mpi_calls(step.lower(params, state[1], x_all[:16], y_all[:16]).as_text())
 
