@@ -164,14 +164,32 @@ def test_train_breakdown_takes_an_examples_step_apart(model, tmp_path):
                                   "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {r["part"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"dense step", "sparse step", "model and optimizer only", "+ selection and error feedback",
-                         "the collective alone (dsar_split_allgather)", "QSGD 4-bit coding of N / P alone"}
+    # As many scalar leaves as the sparse transform's state: the residual (one per parameter leaf),
+    # sparsify's count and key, reduce_streams' count, key and three stats.
+    leaves = f"dense step + {dict(digits_mlp=6, flax_digits_cnn=8)[model] + 7} scalar state leaves"
+    assert set(rows) == {"dense step", "sparse step", leaves, "model and optimizer only",
+                         "+ selection and error feedback", "the collective alone (dsar_split_allgather)",
+                         "QSGD 4-bit coding of N / P alone"}
     assert all(r["ms"] > 0 for r in rows.values()) and rows["dense step"]["vs_dense"] == 1.0
     # One MPI call per step each way, none without communication.
     calls = {part: r["mpi_calls"] for part, r in rows.items()}
-    assert calls["dense step"] == calls["sparse step"] == calls["the collective alone (dsar_split_allgather)"] == 1
+    assert calls["dense step"] == calls["sparse step"] == calls[leaves] == 1
+    assert calls["the collective alone (dsar_split_allgather)"] == 1
     assert calls["model and optimizer only"] == calls["+ selection and error feedback"] == 0
     assert rows["sparse step"]["messages"] == 2  # at P = 2: the split and the allgather (the agreement rides on them)
+
+
+def test_train_breakdown_of_the_exact_mode(tmp_path):
+    """``--density none``: the step sums every nonzero (nonzeros_allreduce: it agrees first)."""
+    out = tmp_path / "breakdown.json"
+    result = run_under_mpirun(2, ["-m", "sparcml_jax.bench", "train", "--breakdown", "--quick", "--density", "none",
+                                  "--bits", "0", "--algorithm", "dense", "--json", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {r["part"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"dense step", "sparse step", "dense step + 5 scalar state leaves", "model and optimizer only",
+                         "+ packing", "the collective alone (dense)"}
+    assert rows["sparse step"]["mpi_calls"] == rows["the collective alone (dense)"]["mpi_calls"] == 1
+    assert rows["sparse step"]["messages"] is None  # MPICH's allreduce's own
 
 
 def test_mpi_calls_counts_the_communicating_custom_calls():

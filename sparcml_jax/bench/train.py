@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="where the digits sparse step's time goes, beside the dense step (instead of the runs)")
     p.add_argument("--model", default="digits_mlp", choices=["digits_mlp", "flax_digits_cnn"],
                    help="breakdown: the example whose step is taken apart")
-    p.add_argument("--density", type=float, default=0.01, help="breakdown: top-k density of the sparse step")
+    p.add_argument("--density", type=lambda v: None if v == "none" else float(v), default=0.01,
+                   help="breakdown: top-k density of the sparse step, or 'none': the exact mode (every nonzero)")
     p.add_argument("--algorithm", default="dsar_split_allgather", choices=[*sparcml_jax.ALGORITHMS, "auto"],
                    help="breakdown: the sparse step's algorithm")
     p.add_argument("--bits", type=int, default=4, help="breakdown: QSGD bits with auto or DSAR (0: none)")
@@ -145,11 +146,20 @@ def _model(name: str):
     return x, y, model.init(jax.random.key(0), x_test[:1])["params"], lambda tx: cnn.make_step(tx, model), 1024
 
 
+def _scalar_state(count: int) -> optax.GradientTransformation:
+    """Passes updates through with ``count`` scalar state leaves: as many leaves as the sparse
+    transform's state, to price what each leaf of a step's state costs its dispatch (JAX takes
+    its Python dispatch path for a program with MPI calls, which handles every argument and result
+    one by one)."""
+    return optax.GradientTransformation(lambda params: tuple(jnp.zeros((), jnp.float32) for _ in range(count)),
+                                        lambda updates, state, params=None: (updates, tuple(x + 1 for x in state)))
+
+
 def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     """An example's sparse step (``--model``; top-k ``--density`` + error feedback,
     ``--algorithm``, ``--bits`` QSGD) taken apart: the model and optimizer alone, plus the
     selection and error feedback, plus the collective (the whole step); the collective and QSGD's
-    coding alone."""
+    coding alone; the dense step carrying as many scalar state leaves as the sparse transform's state."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_all, y_all, initial, make_step, min_size = _model(args.model)
     rng = np.random.default_rng(rank)
@@ -157,12 +167,17 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     bits = _example("digits_mlp").qsgd_bits(args.algorithm, args.bits)
     compression = dict(density=args.density, algorithm=args.algorithm, min_size=min_size,
                        **({} if bits is None else dict(quantize_bits=bits)))
-    local = optax.chain(sparcml_jax.error_feedback(sparcml_jax.fuse_leaves(
-        sparcml_jax.sparsify(density=args.density), min_size=min_size)), sparcml_jax.densify())
+    exact = args.density is None
+    local = optax.chain(sparcml_jax.fuse_leaves(min_size=min_size) if exact else sparcml_jax.error_feedback(
+        sparcml_jax.fuse_leaves(sparcml_jax.sparsify(density=args.density), min_size=min_size)), sparcml_jax.densify())
+    sparse = sparcml_jax.allreduce_gradients(**compression)
+    extra = len(jax.tree.leaves(sparse.init(initial)))
     reducers = {"dense step": sparcml_jax.dense_allreduce_gradients(),
-                "sparse step": sparcml_jax.allreduce_gradients(**compression),
+                "sparse step": sparse,
+                f"dense step + {extra} scalar state leaves": optax.chain(sparcml_jax.dense_allreduce_gradients(),
+                                                                        _scalar_state(extra)),
                 "model and optimizer only": optax.identity(),
-                "+ selection and error feedback": local}
+                "+ packing" if exact else "+ selection and error feedback": local}
     programs, calls = {}, {}
     for name, reducer in reducers.items():
         tx = optax.chain(reducer, optax.adam(1e-3))
@@ -179,14 +194,16 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
 
         programs[name] = run
     size = sum(leaf.size for leaf in jax.tree.leaves(params))
-    k = max(1, round(args.density * size))
+    k = size if exact else max(1, round(args.density * size))
     key = jax.random.key(1)
-    stream = sparcml_jax.topk(jnp.asarray(np.random.default_rng(rank).standard_normal(size), jnp.float32), k)
-    collective = jax.jit(lambda s, key: sparcml_jax.sparse_allreduce(s, algorithm=args.algorithm, quantize_bits=bits,
-                                                                     key=key, return_stats=True))
+    vector = jnp.asarray(np.random.default_rng(rank).standard_normal(size), jnp.float32)
+    stream = vector if exact else sparcml_jax.topk(vector, k)
+    reduce = sparcml_jax.nonzeros_allreduce if exact else sparcml_jax.sparse_allreduce
+    collective = jax.jit(lambda s, key: reduce(s, algorithm=args.algorithm, quantize_bits=bits, key=key,
+                                               return_stats=True))
     _, stats = collective(stream, key)
     algorithm = sparcml_jax.ALGORITHMS[int(stats.algorithm)]
-    programs["the collective alone"] = lambda: collective(stream, key)[0].values
+    programs["the collective alone"] = lambda: collective(stream, key)[0]
     calls["the collective alone"] = mpi_calls(collective.lower(stream, key).as_text())
     if bits is not None and algorithm == "dsar_split_allgather":  # auto quantizes only DSAR's dense phase
         from sparcml_jax.kernels.qsgd import qsgd_dequantize, qsgd_quantize
@@ -198,9 +215,12 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     messages = CostModel(alpha=0.0, beta=0.0).pricing(
         algorithm, size=size, nnz=k, nprocs=nprocs,
         quantize_bits=bits if algorithm == "dsar_split_allgather" else None).messages
-    # The sparse algorithms agree inside their own messages; the dense allreduce and a choice made
-    # at run time (a capacity that allows the dense form) agree first, in a recursive doubling.
-    if algorithm == "dense" or (args.algorithm == "auto" and can_switch_to_dense(k, size, 1.0)):
+    # The sparse algorithms agree inside their own messages; a choice made at run time (a capacity
+    # that allows the dense form, the exact mode) agrees first, in a recursive doubling. The dense
+    # allreduce's messages are MPICH's own (not counted).
+    if algorithm == "dense":
+        messages = None
+    elif exact or (args.algorithm == "auto" and can_switch_to_dense(k, size, 1.0)):
         lower = 1 << (nprocs.bit_length() - 1)
         messages += lower.bit_length() - 1 + (2 if lower < nprocs else 0)
     rows = []
@@ -208,7 +228,7 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
         sparse_call = name in ("sparse step", "the collective alone")
         rows.append(dict(part=name if name != "the collective alone" else f"the collective alone ({algorithm})",
                          ms=t * 1e3, vs_dense=t / seconds["dense step"], mpi_calls=calls.get(name),
-                         messages=messages if sparse_call and nprocs > 1 else None))
+                         messages=messages if sparse_call and nprocs > 1 and messages is not None else None))
     return rows
 
 
