@@ -5,7 +5,9 @@ trains on its shard; one jitted step computes the gradient, sums it across the r
 ``sparcml_jax.allreduce_gradients(density=0.01, algorithm=...)`` and applies Adam. The global
 top-k allreduce keeps 1 % of the fused gradient in its result whatever the number of ranks, and
 returns what it drops to the ranks' residuals (error feedback). Leaves below ``--min-size``
-entries (biases, the first convolution) travel in one dense allreduce. The same model trained
+entries (biases, the first convolution, the last layer) travel whole: in a dense allreduce of
+their own beside a global top-k, inside the fused buffer's collective with SparCML's algorithms
+(``--algorithms auto``). The same model trained
 with a dense MPI_Allreduce runs beside it, and after every epoch each run checks that every rank
 holds the same parameters.
 
