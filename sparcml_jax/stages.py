@@ -254,13 +254,14 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
     Stream leaves are summed by :func:`sparcml_jax.sparse_allreduce` (``algorithm``,
     ``transport``, QSGD with ``quantize_bits`` on DSAR's dense phase, keyed per buffer like
     :func:`sparsify`); dense leaves travel in one dense allreduce. Of a
-    :class:`~sparcml_jax.transform.LeafGroups`, the fused buffers travel as streams, the small
-    leaves' entries appended whole to the first one, so that one collective carries both (a dense buffer is sent as its nonzeros, exactly, by
-    :func:`sparcml_jax.nonzeros_allreduce`; with ``capacity`` at most that many of them, or dense
-    when any rank has more or during warm-up), and the streams the gradient brought are
-    summed exactly, without QSGD. The small leaves take a dense allreduce of their own with
-    ``capacity``, ``nonblocking`` and ``quantize_feedback``, and when the first buffer is
-    bfloat16 and they are not. The averaged result is ``sum_i s_i / P``.
+    :class:`~sparcml_jax.transform.LeafGroups`, the fused buffers travel as streams (a dense
+    buffer is sent as its nonzeros, exactly, by :func:`sparcml_jax.nonzeros_allreduce`; with
+    ``capacity`` at most that many of them, or dense when any rank has more or during warm-up),
+    the small leaves' entries appended whole to the first one, so that one collective carries
+    both; the streams the gradient brought are summed exactly, without QSGD. The small leaves
+    take a dense allreduce of their own with ``capacity``, ``nonblocking`` and
+    ``quantize_feedback``, and when the first buffer is bfloat16 and they are not. The averaged
+    result is ``sum_i s_i / P``.
 
     Args:
       algorithm, transport, delta, bucket_size, quantize_scale, cost_model: passed to

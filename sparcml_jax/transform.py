@@ -268,7 +268,8 @@ def allreduce_gradients(
         can be as large as its bucket's scale and feeds on itself (digits, P = 4, 20 epochs:
         4.7 points below float32 with it, 0.3 without); use it at 4 or 8 bits.
       value_dtype: ``jnp.bfloat16``: the gradient's values travel as bfloat16, sparse pairs
-        and the small leaves included (half a float32 value's bytes; sums stay float32); any transport, no ``buckets``. See
+        included, and the small leaves where they ride in the fused buffer's collective (half a
+        float32 value's bytes; sums stay float32); any transport, no ``buckets``. See
         :func:`sparcml_jax.sparse_allreduce`. Independently of it, a bfloat16 gradient without
         ``density``/``k`` goes to the native engine in bfloat16 buffers, with no float32 copy
         (:func:`sparcml_jax.nonzeros_allreduce`); error feedback, ``capacity``, warm-up and

@@ -7,8 +7,9 @@ the training time until the epoch loss first reaches the target: the worst final
 example's runs times (1 + --tolerance), a loss every run reaches.
 
 ``--breakdown`` shows instead where an example's sparse step spends its time (the digits MLP, or
-the Flax CNN with ``--model flax_digits_cnn``), beside its dense step: the steps and their parts timed as programs of their own, in alternating blocks in
-one process (medians, maximum over ranks), and the MPI calls each step makes.
+the Flax CNN with ``--model flax_digits_cnn``), beside its dense step: the steps and their parts
+timed as programs of their own, in alternating blocks in one process (medians, maximum over
+ranks), and the MPI calls each step makes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--buckets", type=int, default=2, help="digits: also run the bucketed transform (0: no)")
     p.add_argument("--quick", action="store_true", help="small data and few epochs (a smoke run)")
     p.add_argument("--breakdown", action="store_true",
-                   help="where the digits sparse step's time goes, beside the dense step (instead of the runs)")
+                   help="where an example's sparse step's time goes, beside the dense step (instead of the runs)")
     p.add_argument("--model", default="digits_mlp", choices=["digits_mlp", "flax_digits_cnn"],
                    help="breakdown: the example whose step is taken apart")
     p.add_argument("--density", type=lambda v: None if v == "none" else float(v), default=0.01,
@@ -134,8 +135,8 @@ def _alternating(programs: dict, steps: int, blocks: int, comm: MPI.Comm) -> dic
 
 
 def _model(name: str):
-    """(x, y, params, make_step) of an example: the digits MLP, whose reducer fuses every leaf
-    (``min_size=0``, as the example runs it), or the Flax CNN with the default ``min_size``."""
+    """(x, y, params, make_step, min_size) of an example: the digits MLP, whose reducer fuses every
+    leaf (``min_size=0``, as the example runs it), or the Flax CNN with the default ``min_size``."""
     if name == "digits_mlp":
         digits_mlp = _example(name)
         x, y, _, _ = digits_mlp.load_data()
@@ -157,9 +158,10 @@ def _scalar_state(count: int) -> optax.GradientTransformation:
 
 def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     """An example's sparse step (``--model``; top-k ``--density`` + error feedback,
-    ``--algorithm``, ``--bits`` QSGD) taken apart: the model and optimizer alone, plus the
-    selection and error feedback, plus the collective (the whole step); the collective and QSGD's
-    coding alone; the dense step carrying as many scalar state leaves as the sparse transform's state."""
+    ``--algorithm``, ``--bits`` QSGD; ``--density none``: the exact mode) taken apart: the model
+    and optimizer alone, plus the selection and error feedback (the exact mode: the packing), plus
+    the collective (the whole step); the collective and QSGD's coding alone; the dense step
+    carrying as many scalar state leaves as the sparse transform's state."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_all, y_all, initial, make_step, min_size = _model(args.model)
     rng = np.random.default_rng(rank)
