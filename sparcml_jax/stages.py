@@ -410,9 +410,8 @@ def _carries_small(dense: list, fused: list, pending: list, nonblocking: bool, q
 def _with_small(vector: Any, stream: SparseStream | None, dense: list) -> tuple[Any, tuple]:
     """The first fused buffer (and its stream) with every entry of the small leaves after its own."""
     if stream is None:  # XLA merges this concatenation into fuse_leaves' own
-        return jnp.concatenate([vector] + [jnp.ravel(x).astype(vector.dtype) for x in dense]), (None, None)
-    tail = jnp.concatenate([jnp.ravel(x).astype(VALUE_DTYPE) for x in dense])
-    return vector, (append_dense(stream, tail), None)
+        return jnp.concatenate([vector, join_flat(dense, vector.dtype)]), (None, None)
+    return vector, (append_dense(stream, join_flat(dense, VALUE_DTYPE)), None)
 
 
 def _without_small(total: Any, dense: list) -> tuple[jax.Array, list]:
@@ -420,7 +419,7 @@ def _without_small(total: Any, dense: list) -> tuple[jax.Array, list]:
     total = total.to_dense() if is_stream(total) else total
     m = sum(jnp.size(x) for x in dense)
     n = total.shape[0] - m
-    return total[:n], split_like(total[n:], [(jnp.shape(x), jnp.result_type(x)) for x in dense])
+    return total[:n], split_like(total[n:], shapes_and_dtypes(dense))
 
 
 def _replace_parts(tree: Any, dense: list, streams: list) -> Any:
@@ -433,12 +432,21 @@ def dense_sum(leaves: list, group: Group, average: bool) -> list:
     """The dense leaves summed in one dense allreduce, back in their shapes and dtypes."""
     if not leaves:
         return []
-    flat = jnp.concatenate([jnp.ravel(jnp.asarray(x, VALUE_DTYPE)) for x in leaves])
+    flat = join_flat(leaves, VALUE_DTYPE)
     nprocs = group.size
     if nprocs > 1:
         flat = dense_allreduce(flat, **group.where)
         flat = flat / nprocs if average else flat
-    return split_like(flat, [(jnp.shape(x), jnp.result_type(x)) for x in leaves])
+    return split_like(flat, shapes_and_dtypes(leaves))
+
+
+def join_flat(leaves: list, dtype: Any) -> jax.Array:
+    """The leaves raveled and concatenated into one ``dtype`` vector (:func:`split_like` cuts it back)."""
+    return jnp.concatenate([jnp.ravel(jnp.asarray(x, dtype)) for x in leaves])
+
+
+def shapes_and_dtypes(leaves: list) -> list[tuple[tuple[int, ...], Any]]:
+    return [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
 
 
 def split_like(flat: jax.Array, like: list[tuple[tuple[int, ...], Any]]) -> list:
