@@ -135,16 +135,17 @@ def _alternating(programs: dict, steps: int, blocks: int, comm: MPI.Comm) -> dic
 
 
 def _model(name: str):
-    """(x, y, params, make_step, min_size) of an example: the digits MLP, whose reducer fuses every
-    leaf (``min_size=0``, as the example runs it), or the Flax CNN with the default ``min_size``."""
+    """(x, y, params, make_step, fusing) of an example, ``fusing`` its leaf grouping: the digits
+    MLP's reducer fuses every leaf (``min_size=0``, as the example runs it), the Flax CNN's keeps
+    the default ``min_size``."""
     if name == "digits_mlp":
         digits_mlp = _example(name)
         x, y, _, _ = digits_mlp.load_data()
-        return x, y, digits_mlp.init_mlp(jax.random.key(0), [64, 256, 256, 10]), digits_mlp.make_step, 0
+        return x, y, digits_mlp.init_mlp(jax.random.key(0), [64, 256, 256, 10]), digits_mlp.make_step, dict(min_size=0)
     cnn = _example(name)
     x, y, x_test, _ = cnn.load(0)
     model = cnn.CNN()
-    return x, y, model.init(jax.random.key(0), x_test[:1])["params"], lambda tx: cnn.make_step(tx, model), 1024
+    return x, y, model.init(jax.random.key(0), x_test[:1])["params"], lambda tx: cnn.make_step(tx, model), {}
 
 
 def _scalar_state(count: int) -> optax.GradientTransformation:
@@ -163,15 +164,15 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     the collective (the whole step); the collective and QSGD's coding alone; the dense step
     carrying as many scalar state leaves as the sparse transform's state."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
-    x_all, y_all, initial, make_step, min_size = _model(args.model)
+    x_all, y_all, initial, make_step, fusing = _model(args.model)
     rng = np.random.default_rng(rank)
     batches = [rng.integers(0, len(x_all), 16) for _ in range(64)]
     bits = _example("digits_mlp").qsgd_bits(args.algorithm, args.bits)
-    compression = dict(density=args.density, algorithm=args.algorithm, min_size=min_size,
+    compression = dict(density=args.density, algorithm=args.algorithm, **fusing,
                        **({} if bits is None else dict(quantize_bits=bits)))
     exact = args.density is None
-    local = optax.chain(sparcml_jax.fuse_leaves(min_size=min_size) if exact else sparcml_jax.error_feedback(
-        sparcml_jax.fuse_leaves(sparcml_jax.sparsify(density=args.density), min_size=min_size)), sparcml_jax.densify())
+    local = optax.chain(sparcml_jax.fuse_leaves(**fusing) if exact else sparcml_jax.error_feedback(
+        sparcml_jax.fuse_leaves(sparcml_jax.sparsify(density=args.density), **fusing)), sparcml_jax.densify())
     sparse = sparcml_jax.allreduce_gradients(**compression)
     extra = len(jax.tree.leaves(sparse.init(initial)))
     reducers = {"dense step": sparcml_jax.dense_allreduce_gradients(),
