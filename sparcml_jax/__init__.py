@@ -49,6 +49,7 @@ from sparcml_jax.sparse_updates import apply_updates, lazy
 from sparcml_jax.stream import SparseStream, dense_threshold
 from sparcml_jax.stages import (
     ErrorFeedbackState,
+    FlatResidual,
     GlobalTopkState,
     GradientStats,
     ReduceState,
@@ -78,6 +79,7 @@ __all__ = [
     "AllreduceStats",
     "CostModel",
     "ErrorFeedbackState",
+    "FlatResidual",
     "GlobalTopkState",
     "GlobalTopkStats",
     "GradientStats",

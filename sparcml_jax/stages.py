@@ -35,7 +35,7 @@ Error feedback alone, before a reduction of your own (here: densify, then whatev
   >>> tx = optax.chain(sparcml_jax.error_feedback(sparcml_jax.sparsify(k=1)), sparcml_jax.densify())
   >>> state = tx.init(params)
   >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.0])}, state, params)
-  >>> sent["w"].tolist(), state[0].residual["w"].tolist()
+  >>> sent["w"].tolist(), state[0].residual.tree(params)["w"].tolist()
   ([0.0, -5.0, 0.0, 0.0], [1.0, 0.0, 2.0, 0.0])
 
 A density per layer, and layers kept out of compression (exact sums of their nonzeros, as CGX
@@ -85,20 +85,47 @@ from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_st
 SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled dense
 
 
-class GradientStats(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GradientStats:
     """What the last update did, for logging.
 
+    One float32 vector in the state (every state leaf costs the dispatch of a program with MPI
+    calls on its own; see BENCHMARKS.md), read through the properties. Build one with
+    :meth:`of`.
+
     Attributes:
+      values: float32 ``[density, bytes_sent, algorithm]`` (stacked in front by ``vmap``).
       density: float32 nonzeros of the reduced buffers over their length.
       bytes_sent: float32 payload bytes this rank sent in the last update.
       algorithm: int32 index into ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``
         of the largest buffer's algorithm (-1 when it travelled dense: during warm-up, or when a
         rank exceeded ``capacity``).
+
+    Example:
+      >>> import sparcml_jax
+      >>> stats = sparcml_jax.GradientStats.of(0.25, 1024.0, 2)
+      >>> float(stats.density), float(stats.bytes_sent), int(stats.algorithm)
+      (0.25, 1024.0, 2)
     """
 
-    density: jax.Array
-    bytes_sent: jax.Array
-    algorithm: jax.Array
+    values: jax.Array
+
+    @classmethod
+    def of(cls, density: Any, bytes_sent: Any, algorithm: Any) -> "GradientStats":
+        return cls(jnp.stack([jnp.asarray(x, jnp.float32) for x in (density, bytes_sent, algorithm)], axis=-1))
+
+    @property
+    def density(self) -> jax.Array:
+        return self.values[..., 0]
+
+    @property
+    def bytes_sent(self) -> jax.Array:
+        return self.values[..., 1]
+
+    @property
+    def algorithm(self) -> jax.Array:
+        return self.values[..., 2].astype(jnp.int32)
 
 
 class SparsifyState(NamedTuple):
@@ -109,10 +136,84 @@ class SparsifyState(NamedTuple):
 
 
 class ErrorFeedbackState(NamedTuple):
-    """:func:`error_feedback`'s residual (float32, like the updates) and its sparsifier's state."""
+    """:func:`error_feedback`'s residual (a :class:`FlatResidual`) and its sparsifier's state."""
 
     residual: Any
     inner: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FlatResidual:
+    """What error feedback holds back: one float32 vector over every leaf of the parameters.
+
+    One vector rather than one array per leaf, as ``optax.flatten`` keeps its state: a program
+    with MPI calls takes JAX's Python dispatch path, which handles every argument and result one
+    by one (about 30 us per state leaf and step on a 2-core VM; BENCHMARKS.md). :meth:`tree`
+    gives the per-leaf view.
+
+    Attributes:
+      flat: float32, every leaf raveled in flattening order (a stream leaf's segment stays zero:
+        streams are sent whole).
+      shapes: static: every leaf's shape.
+      paths: static: every leaf's key path (``jax.tree_util.keystr``), to check that the
+        gradient is the tree ``init`` saw.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import sparcml_jax
+      >>> params = {"b": jnp.ones(2), "w": jnp.ones((2, 3))}
+      >>> r = sparcml_jax.FlatResidual.zeros(params)
+      >>> r.flat.shape, r.tree(params)["w"].shape
+      ((8,), (2, 3))
+    """
+
+    flat: jax.Array
+    shapes: tuple = dataclasses.field(metadata=dict(static=True))
+    paths: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def zeros(cls, params: Any) -> "FlatResidual":
+        leaves, paths = _leaves_and_paths(params)
+        shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
+        return cls(jnp.zeros((sum(math.prod(s) for s in shapes),), VALUE_DTYPE), shapes, paths)
+
+    @classmethod
+    def of(cls, residual: Any) -> "FlatResidual":
+        """A tree of per-leaf residuals, joined."""
+        leaves, paths = _leaves_and_paths(residual)
+        return cls(cls.join(leaves), tuple(tuple(jnp.shape(x)) for x in leaves), paths)
+
+    @staticmethod
+    def join(leaves: list) -> jax.Array:
+        return join_flat(leaves, VALUE_DTYPE) if leaves else jnp.zeros((0,), VALUE_DTYPE)
+
+    def leaves(self) -> list[jax.Array]:
+        return split_like(self.flat, [(shape, VALUE_DTYPE) for shape in self.shapes])
+
+    def tree(self, like: Any) -> Any:
+        """The residual per leaf, in the tree structure of ``like`` (the parameters)."""
+        return jax.tree.unflatten(jax.tree.structure(like), self.leaves())
+
+    def check_like(self, stage: str, updates: Any) -> list:
+        """The leaves of ``updates`` (streams as leaves), checked to be those of the tree init saw."""
+        leaves, paths = _leaves_and_paths(updates)
+        if paths != self.paths:
+            raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
+                             f"(init: {list(self.paths)}, update: {list(paths)}); re-run init with the parameters "
+                             "you train")
+        for i, (leaf, shape) in enumerate(zip(leaves, self.shapes)):
+            if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != math.prod(shape) or (
+                    not is_stream(leaf) and tuple(jnp.shape(leaf)) != shape):
+                got = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
+                raise ValueError(f"{stage}: gradient leaf {i} has {got} but init saw {shape}; "
+                                 "re-run init with the parameters you train")
+        return leaves
+
+
+def _leaves_and_paths(tree: Any) -> tuple[list, tuple[str, ...]]:
+    with_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_stream)[0]
+    return [x for _, x in with_paths], tuple(jax.tree_util.keystr(path) for path, _ in with_paths)
 
 
 class ReduceState(NamedTuple):
@@ -199,40 +300,28 @@ def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTr
       >>> import jax.numpy as jnp
       >>> import sparcml_jax
       >>> tx = sparcml_jax.error_feedback(sparcml_jax.sparsify(k=1))
-      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> params = {"w": jnp.zeros(3)}
+      >>> state = tx.init(params)
       >>> sent, state = tx.update({"w": jnp.array([1.0, -2.0, 0.5])}, state)
-      >>> sent["w"].to_dense().tolist(), state.residual["w"].tolist()
+      >>> sent["w"].to_dense().tolist(), state.residual.tree(params)["w"].tolist()
       ([0.0, -2.0, 0.0], [1.0, 0.0, 0.5])
     """
 
     def init_fn(params):
-        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params)
-        return ErrorFeedbackState(residual, sparsifier.init(params))
+        return ErrorFeedbackState(FlatResidual.zeros(params), sparsifier.init(params))
 
     def update_fn(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
-        residual, residual_def = jax.tree.flatten(state.residual)
-        check_like_residual("error_feedback", leaves, treedef, residual, residual_def)
+        state.residual.check_like("error_feedback", updates)
+        residual = state.residual.leaves()
         accumulated = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
         sent, inner_state = sparsifier.update(jax.tree.unflatten(treedef, accumulated), state.inner, params)
         new_residual = [r if is_stream(a) else a - s
                         for a, r, s in zip(accumulated, residual, sent_values(sent, accumulated))]
-        return sent, ErrorFeedbackState(jax.tree.unflatten(residual_def, new_residual), inner_state)
+        return sent, ErrorFeedbackState(dataclasses.replace(state.residual, flat=FlatResidual.join(new_residual)),
+                                        inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, residual_def: Any) -> None:
-    """The gradient has the pytree and leaf shapes of the residual that init made."""
-    if treedef != residual_def:
-        raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
-                         f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train")
-    for i, (leaf, r) in enumerate(zip(leaves, residual)):
-        if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != r.size or (
-                not is_stream(leaf) and jnp.shape(leaf) != r.shape):
-            shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
-            raise ValueError(f"{stage}: gradient leaf {i} has {shape} but init saw {r.shape}; "
-                             "re-run init with the parameters you train")
 
 
 def sent_values(sent: Any, like: list) -> list:
@@ -321,7 +410,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                       quantize_scale=quantize_scale, cost_model=cost_model)
 
     def init_fn(params):
-        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        stats = GradientStats.of(0, 0, SENT_DENSE)
         errors = ()
         if quantize_feedback:
             if not hasattr(params, "parts"):
@@ -528,7 +617,7 @@ def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | Non
     """Nonzeros and bytes of every buffer (of these sizes); the algorithm of the largest fused
     buffer (else stream)."""
     if not sizes:
-        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        return GradientStats.of(0, 0, SENT_DENSE)
     nnz = sum(stats.result_nnz.astype(jnp.float32) for _, stats, _ in results)
     sent = sum(stats.bytes_sent for _, stats, _ in results)
     candidates = range(fused) if fused else range(len(sizes))
@@ -536,14 +625,14 @@ def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | Non
     code = results[largest][1].algorithm
     if warming is not None:
         code = jnp.where(warming, SENT_DENSE, code)
-    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), code)
+    return GradientStats.of(nnz / max(sum(sizes), 1), sent, code)
 
 
 class GlobalTopkState(NamedTuple):
     """:func:`global_topk_reduce`'s state.
 
     Attributes:
-      residual: float32, like the updates: what this rank holds back (``None`` without error
+      residual: what this rank holds back, a :class:`FlatResidual` (``None`` without error
         feedback).
       inner: the packer's state.
       count: int32 steps taken (for warm-up).
@@ -614,7 +703,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
       >>> params = {"w": jnp.zeros(4)}
       >>> state = tx.init(params)
       >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.5])}, state, params)
-      >>> sent["w"].tolist(), optax.tree_utils.tree_get(state, "residual")["w"].tolist()
+      >>> sent["w"].tolist(), optax.tree_utils.tree_get(state, "residual").tree(params)["w"].tolist()
       ([0.0, -5.0, 2.0, 0.0], [1.0, 0.0, 0.0, 0.5])
     """
     if algorithm not in GLOBAL_TOPK_ALGORITHMS:
@@ -637,14 +726,14 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         return [leaf_budget(x.shape[0], total, density, k) for x in fused]
 
     def init_fn(params):
-        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params) if error_feedback else None
+        residual = FlatResidual.zeros(params) if error_feedback else None
         inner_state = optax.EmptyState() if inner is None else inner.init(params)
         carried = ()
         if algorithm == "oktopk":
             fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
             nprocs = Group.of(comm, axis_name).size
             carried = tuple(init_oktopk_state(nprocs=nprocs) for _ in fused)
-        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        stats = GradientStats.of(0, 0, SENT_DENSE)
         return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
 
     def update_fn(updates, state, params=None):
@@ -653,8 +742,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         on_group = dict(collective_options, transport=group.transport(transport))
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
         if error_feedback:
-            residual, residual_def = jax.tree.flatten(state.residual)
-            check_like_residual("global_topk_reduce", leaves, treedef, residual, residual_def)
+            state.residual.check_like("global_topk_reduce", updates)
+            residual = state.residual.leaves()
             leaves = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
         packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
         dense, fused, given = _buffers(packed)
@@ -676,8 +765,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         if error_feedback:
             kept = _unpacked(packed, [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in dense],
                              [r for _, r, *_ in summed], given, treedef)
-            new_residual = jax.tree.unflatten(
-                residual_def, [r if is_stream(a) else new for a, r, new in zip(leaves, residual, kept)])
+            new_residual = dataclasses.replace(state.residual, flat=FlatResidual.join(
+                [r if is_stream(a) else new for a, r, new in zip(leaves, residual, kept)]))
         carried = tuple(c for _, _, c, *_ in summed) if state.oktopk else ()
         new_state = GlobalTopkState(new_residual, inner_state, state.count + 1, stats, carried)
         return _unpacked(packed, reduced_dense, out_fused, out_given, treedef, tree=True), new_state
@@ -740,11 +829,11 @@ def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | No
 def _gathered_stats(counts: list[tuple], sizes: list[int], fused: int) -> GradientStats:
     """Nonzeros and bytes of every buffer; the algorithm of the largest fused buffer (else stream)."""
     if not counts:
-        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        return GradientStats.of(0, 0, SENT_DENSE)
     nnz = sum(c[0] for c in counts)
     sent = sum(c[1] for c in counts)
     largest = max(range(fused) if fused else range(len(counts)), key=lambda i: sizes[i])
-    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), counts[largest][2])
+    return GradientStats.of(nnz / max(sum(sizes), 1), sent, counts[largest][2])
 
 
 def densify() -> optax.GradientTransformation:

@@ -26,6 +26,7 @@ from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax import stages
 from sparcml_jax.stages import (
     ErrorFeedbackState,
+    FlatResidual,
     GradientStats,
     ReduceState,
     SparsifyState,
@@ -196,13 +197,16 @@ class AllreduceGradientsState(NamedTuple):
     """The single-NamedTuple state that older checkpoints of :func:`allreduce_gradients` hold.
 
     :func:`allreduce_gradients` continues from it (its update converts it to the chained state
-    of its stages, with the same residual, step count, key and stats).
+    of its stages, with the same residual, step count, key and stats). Its ``residual`` is a
+    :class:`~sparcml_jax.FlatResidual` or, as those checkpoints hold it, the parameters' tree of
+    float32 leaves; its ``stats`` a :class:`GradientStats` or its three values (density, bytes
+    sent, algorithm).
     """
 
     residual: Any
     step: jax.Array
     key: jax.Array
-    stats: GradientStats
+    stats: Any
 
 
 def allreduce_gradients(
@@ -239,7 +243,8 @@ def allreduce_gradients(
     ``optax.chain(error_feedback(fuse_leaves(sparsify(...))), reduce_streams(...), densify())``
     (without :func:`~sparcml_jax.sparsify` and error feedback when neither ``density`` nor ``k``
     is given); ``optax.tree_utils.tree_get(state, "residual")`` and ``(state, "stats")`` find
-    the residual and the last :class:`GradientStats`.
+    the residual (a :class:`~sparcml_jax.FlatResidual`: ``.tree(params)`` is its per-leaf view) and
+    the last :class:`GradientStats`.
 
     Args:
       density: fraction of entries each rank sends per step, in (0, 1].
@@ -439,13 +444,17 @@ def _check_global_topk(algorithm: str, *, exact: bool, sparsifier: Any, **others
 def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact: bool) -> tuple:
     """The chained state that continues a checkpoint of the single-NamedTuple layout."""
     sparsify_state = SparsifyState(old.step, old.key)
-    first = (optax.EmptyState() if exact else
-             ErrorFeedbackState(old.residual, sparsify_state) if with_feedback else sparsify_state)
-    if with_feedback and any(np.size(r) == 0 for r in jax.tree.leaves(old.residual)):
+    residual = old.residual
+    if with_feedback and any(np.size(r) == 0 for r in jax.tree.leaves(residual)):
         raise ValueError("allreduce_gradients: this checkpoint was written without error feedback (its residual "
                          "is empty); restore it into allreduce_gradients(..., error_feedback=False) or start from "
                          "tx.init(params)")
-    return first, ReduceState(old.step, old.key, old.stats), optax.EmptyState()
+    if with_feedback and not isinstance(residual, FlatResidual):  # a residual per leaf, as the layout kept it
+        residual = FlatResidual.of(residual)
+    first = (optax.EmptyState() if exact else
+             ErrorFeedbackState(residual, sparsify_state) if with_feedback else sparsify_state)
+    stats = old.stats if isinstance(old.stats, GradientStats) else GradientStats.of(*old.stats)  # its 3 fields
+    return first, ReduceState(old.step, old.key, stats), optax.EmptyState()
 
 
 def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, axis_name: Hashable | None = None,

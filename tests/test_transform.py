@@ -42,7 +42,7 @@ def test_error_feedback_loses_nothing(sparsifier, fuse, buckets):
         sent, state = update(grads, state)
         total_grads = jax.tree.map(jnp.add, total_grads, grads)
         total_sent = jax.tree.map(jnp.add, total_sent, sent)
-    accounted = jax.tree.map(jnp.add, total_sent, tree_get(state, "residual"))
+    accounted = jax.tree.map(jnp.add, total_sent, tree_get(state, "residual").tree(params))
     for got, want in zip(jax.tree.leaves(accounted), jax.tree.leaves(total_grads)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert 0 < float(tree_get(state, "stats").density) <= 0.06
