@@ -531,7 +531,14 @@ def dense_sum(leaves: list, group: Group, average: bool) -> list:
 
 def join_flat(leaves: list, dtype: Any) -> jax.Array:
     """The leaves raveled and concatenated into one ``dtype`` vector (:func:`split_like` cuts it back)."""
-    return jnp.concatenate([jnp.ravel(jnp.asarray(x, dtype)) for x in leaves])
+    # In place, leaf by leaf: XLA:CPU fuses the ravel of a matrix into a concatenate and then
+    # emits it element by element, 2.5-3x the time (the digits MLP's six leaves: 185 against 75 us).
+    parts = [jnp.ravel(jnp.asarray(x, dtype)) for x in leaves]
+    out, offset = jnp.zeros((sum(x.shape[0] for x in parts),), dtype), 0
+    for x in parts:
+        out = jax.lax.dynamic_update_slice(out, x, (offset,))
+        offset += x.shape[0]
+    return out
 
 
 def shapes_and_dtypes(leaves: list) -> list[tuple[tuple[int, ...], Any]]:

@@ -166,8 +166,8 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
                              "pass buckets=None")
         plan = plan_leaves([x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves], kinds,
                            min_size=min_size, fuse=fuse, buckets=buckets)
-        fused = tuple(jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i], fused_dtype([leaves[j] for j in group])))
-                                       for i in group]) for group in plan.groups)
+        fused = tuple(stages.join_flat([leaves[i] for i in group], fused_dtype([leaves[i] for i in group]))
+                      for group in plan.groups)
         like = tuple(None if s else (jnp.shape(x), jnp.result_type(x)) for x, s in zip(leaves, kinds))
         return LeafGroups(tuple(leaves[i] for i in plan.small), fused, tuple(leaves[i] for i in plan.streams),
                           plan, like, treedef)
