@@ -79,6 +79,7 @@ from sparcml_jax.collectives.validate import wire_bits
 from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.kernels._common import cond_varying
 from sparcml_jax.kernels.partition import from_dense, from_dense_counted
+from sparcml_jax import sparsifiers
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_stream, resize, with_indices
 
@@ -129,7 +130,9 @@ class GradientStats:
 
 
 class SparsifyState(NamedTuple):
-    """:func:`sparsify`'s step count (for warm-up) and PRNG key data (for random selections)."""
+    """:func:`sparsify`'s step count, kept with warm-up, and PRNG key data, kept unless the
+    sparsifier is ``"topk"`` (which draws nothing); each ``()`` when not kept, since every state
+    leaf costs a communicating step its dispatch (:class:`FlatResidual`)."""
 
     count: jax.Array
     key: jax.Array
@@ -217,9 +220,9 @@ def _leaves_and_paths(tree: Any) -> tuple[list, tuple[str, ...]]:
 
 
 class ReduceState(NamedTuple):
-    """:func:`reduce_streams`'s step count, PRNG key data (for QSGD: without it the key stays as
-    seeded), the last update's stats and, with ``quantize_feedback``, what QSGD's split phase
-    lost on this rank per fused buffer (float32, added to the next update's buffers)."""
+    """:func:`reduce_streams`'s step count (kept with warm-up, else ``()``), PRNG key data (kept
+    with QSGD, else ``()``), the last update's stats and, with ``quantize_feedback``, what QSGD's
+    split phase lost on this rank per fused buffer (float32, added to the next update's buffers)."""
 
     count: jax.Array
     key: jax.Array
@@ -263,26 +266,30 @@ def sparsify(sparsifier: str | Sparsifier = "topk", *, density: float | None = N
     check_warmup(warmup_steps)
     select = resolve(sparsifier)
 
+    draws = select is not sparsifiers.topk  # the only sparsifier known to ignore its key
+
     def init_fn(params):
         del params
-        return SparsifyState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)))
+        return SparsifyState(initial_count(warmup_steps), initial_key(seed) if draws else ())
 
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
         dense = [i for i, leaf in enumerate(leaves) if not is_stream(leaf)]
         total = sum(jnp.size(leaves[i]) for i in dense)
-        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key)) if draws else ((), None)
         warming = warming_up(state.count, warmup_steps)
         out = list(leaves)
         for g, i in enumerate(dense):
             v = jnp.ravel(jnp.asarray(leaves[i], VALUE_DTYPE))
-            stream = select(v, leaf_budget(v.shape[0], total, density, k), jax.random.fold_in(step_key, g))
+            stream = select(v, leaf_budget(v.shape[0], total, density, k),
+                            jax.random.fold_in(step_key, g) if draws else None)
             if warming is not None:
                 stream = cond_varying(warming, lambda v=v: with_indices(dense_stream(v)), lambda s=stream, n=v.shape[0]: resize(s, n),
                                       axes=varying_axes(v))
             out[i] = stream
-        return jax.tree.unflatten(treedef, out), SparsifyState(state.count + 1, jax.random.key_data(key))
+        return jax.tree.unflatten(treedef, out), SparsifyState(next_count(state.count), jax.random.key_data(key)
+                                                               if draws else ())
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -417,7 +424,8 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                 raise TypeError("reduce_streams(quantize_feedback=True).init takes the packed parameters (LeafGroups, "
                                 "as fuse_leaves(...).update(params, ...) makes them), to size the error of each buffer")
             errors = tuple(jnp.zeros((x.shape[0],), VALUE_DTYPE) for x in params.fused)
-        return ReduceState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(seed)), stats, errors)
+        key = () if quantize_bits is None else initial_key(seed)
+        return ReduceState(initial_count(warmup_steps), key, stats, errors)
 
     def update_fn(updates, state, params=None):
         del params
@@ -469,7 +477,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
         if carried:
             out[0], reduced_dense = _without_small(out[0], dense)
         stats = _stats(sizes, results, len(fused), warming)
-        new_state = ReduceState(state.count + 1, key, stats, errors)
+        new_state = ReduceState(next_count(state.count), key, stats, errors)
         rebuilt = updates.replace_parts(reduced_dense, out[:len(fused)], out[len(fused):]) \
             if hasattr(updates, "parts") else _replace_parts(updates, reduced_dense, out)
         return rebuilt, new_state
@@ -879,11 +887,27 @@ def densify() -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def warming_up(count: jax.Array, warmup_steps: int | jax.Array) -> jax.Array | None:
+def warming_up(count: jax.Array | tuple, warmup_steps: int | jax.Array) -> jax.Array | None:
     """Whether this step warms up, or None when no step ever does (no cond in the program)."""
-    if isinstance(warmup_steps, jax.core.Tracer) or int(warmup_steps) > 0:
-        return count < warmup_steps
-    return None
+    return count < warmup_steps if counts_steps(warmup_steps) else None
+
+
+def counts_steps(warmup_steps: int | jax.Array) -> bool:
+    """Whether a stage keeps a step count: with warm-up, or a ``warmup_steps`` that is an array
+    (``optax.inject_hyperparams`` passes one, concrete at init and traced at update)."""
+    return isinstance(warmup_steps, (jax.Array, jax.core.Tracer)) or int(warmup_steps) > 0
+
+
+def initial_count(warmup_steps: int | jax.Array) -> jax.Array | tuple:
+    return jnp.zeros((), jnp.int32) if counts_steps(warmup_steps) else ()
+
+
+def next_count(count: jax.Array | tuple) -> jax.Array | tuple:
+    return count if isinstance(count, tuple) else count + 1
+
+
+def initial_key(seed: int) -> jax.Array:
+    return jax.random.key_data(jax.random.key(seed))
 
 
 def check_warmup(warmup_steps: Any) -> None:

@@ -23,7 +23,7 @@ from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.group import Group
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.sparsifiers import Sparsifier, resolve
-from sparcml_jax import stages
+from sparcml_jax import sparsifiers, stages
 from sparcml_jax.stages import (
     ErrorFeedbackState,
     FlatResidual,
@@ -394,7 +394,9 @@ def allreduce_gradients(
         reduce = _init_on_packed(reduce, fused)
     with_feedback = error_feedback and not exact  # exact mode sends every nonzero: nothing to feed back
     chained = optax.chain(stages.error_feedback(fused) if with_feedback else fused, reduce, densify())
-    return _with_param_checks(chained, lambda old: _from_single_state(old, with_feedback, exact))
+    layout = dict(count=stages.counts_steps(warmup_steps), sparsify_key=resolve(sparsifier) is not sparsifiers.topk,
+                  reduce_key=quantize_bits is not None)
+    return _with_param_checks(chained, lambda old: _from_single_state(old, with_feedback, exact, **layout))
 
 
 def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTransformation):
@@ -441,9 +443,12 @@ def _check_global_topk(algorithm: str, *, exact: bool, sparsifier: Any, **others
             raise ValueError(f"algorithm={algorithm!r} does not take {name}={value!r}: {why[name]}")
 
 
-def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact: bool) -> tuple:
-    """The chained state that continues a checkpoint of the single-NamedTuple layout."""
-    sparsify_state = SparsifyState(old.step, old.key)
+def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact: bool, *, count: bool,
+                       sparsify_key: bool, reduce_key: bool) -> tuple:
+    """The chained state that continues a checkpoint of the single-NamedTuple layout, keeping the
+    step count and the keys where the stages keep them."""
+    step = old.step if count else ()
+    sparsify_state = SparsifyState(step, old.key if sparsify_key else ())
     residual = old.residual
     if with_feedback and any(np.size(r) == 0 for r in jax.tree.leaves(residual)):
         raise ValueError("allreduce_gradients: this checkpoint was written without error feedback (its residual "
@@ -454,7 +459,7 @@ def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact:
     first = (optax.EmptyState() if exact else
              ErrorFeedbackState(residual, sparsify_state) if with_feedback else sparsify_state)
     stats = old.stats if isinstance(old.stats, GradientStats) else GradientStats.of(*old.stats)  # its 3 fields
-    return first, ReduceState(old.step, old.key, stats), optax.EmptyState()
+    return first, ReduceState(step, old.key if reduce_key else (), stats), optax.EmptyState()
 
 
 def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, axis_name: Hashable | None = None,

@@ -100,6 +100,17 @@ def test_exact_mode_with_capacity_falls_back_to_dense():
     np.testing.assert_array_equal(np.asarray(out["w"]), np.ones(5000))
 
 
+def test_state_holds_a_few_arrays():
+    """A step that communicates pays JAX's dispatch for every state leaf: the residual and the stats
+    are one array each, and step counts and keys are kept only where something reads them."""
+    params = params_tree()
+    leaves = lambda **kwargs: len(jax.tree.leaves(allreduce_gradients(**kwargs).init(params)))  # noqa: E731
+    assert leaves(density=0.01) == 2  # the residual and the stats
+    assert leaves(density=0.01, quantize_bits=4) == 3  # and QSGD's key
+    assert leaves(density=0.01, sparsifier="randomk", warmup_steps=5) == 5  # and two counts and randomk's key
+    assert leaves() == 1  # the exact mode: the stats
+
+
 def test_composes_with_adam_and_inject_hyperparams():
     params = params_tree()
     tx = optax.chain(allreduce_gradients(density=0.1, quantize_bits=4),
@@ -152,14 +163,18 @@ def test_checkpoint_of_the_single_state_layout_continues(kwargs):
         _, state = update(g, state)
     residual = tree_get(state, "residual")
     reduce_state = state[1]  # (compression, reduce_streams, densify)
+    # Keys are kept where something draws from them (randomk, QSGD): both start from the seed and
+    # split once a step, so they are equal, as the single layout's one key was.
+    keys = [x for x in (tree_get(state[0], "key", ()), reduce_state.key) if not isinstance(x, tuple)]
+    assert len(keys) == (2 if "quantize_bits" in kwargs else 0)
+    assert all(np.array_equal(keys[0], x) for x in keys)
     old = sparcml_jax.AllreduceGradientsState(
         residual=jax.tree.map(lambda p: jnp.zeros((0,)), params) if residual is None else residual,
-        step=reduce_state.count, key=tree_get(state[0], "key", reduce_state.key), stats=reduce_state.stats)
+        step=jnp.int32(2), key=keys[0] if keys else jnp.zeros(2, jnp.uint32), stats=reduce_state.stats)
     restored = pickle.loads(pickle.dumps(jax.device_get(old)))
     want, want_state = update(grads[2], state)
     got, got_state = update(grads[2], restored)
-    if "quantize_bits" not in kwargs:  # the reduce stage's key is drawn from by QSGD only
-        got_state = (got_state[0], got_state[1]._replace(key=want_state[1].key), got_state[2])
+    assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
     for a, b in zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

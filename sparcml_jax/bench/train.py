@@ -177,7 +177,7 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     extra = len(jax.tree.leaves(sparse.init(initial)))
     reducers = {"dense step": sparcml_jax.dense_allreduce_gradients(),
                 "sparse step": sparse,
-                f"dense step + {extra} scalar state leaves": optax.chain(sparcml_jax.dense_allreduce_gradients(),
+                f"dense step + {extra} scalar state {'leaf' if extra == 1 else 'leaves'}": optax.chain(sparcml_jax.dense_allreduce_gradients(),
                                                                         _scalar_state(extra)),
                 "model and optimizer only": optax.identity(),
                 "+ packing" if exact else "+ selection and error feedback": local}
