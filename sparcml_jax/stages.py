@@ -91,9 +91,8 @@ SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled den
 class GradientStats:
     """What the last update did, for logging.
 
-    One float32 vector in the state (every state leaf costs the dispatch of a program with MPI
-    calls on its own; see BENCHMARKS.md), read through the properties. Build one with
-    :meth:`of`.
+    One float32 vector in the state, read through the properties (a step that communicates pays
+    JAX's dispatch for every state leaf; see :class:`FlatResidual`). Build one with :meth:`of`.
 
     Attributes:
       values: float32 ``[density, bytes_sent, algorithm]`` (stacked in front by ``vmap``).
@@ -134,8 +133,8 @@ class SparsifyState(NamedTuple):
     sparsifier is ``"topk"`` (which draws nothing); each ``()`` when not kept, since every state
     leaf costs a communicating step its dispatch (:class:`FlatResidual`)."""
 
-    count: jax.Array
-    key: jax.Array
+    count: jax.Array | tuple
+    key: jax.Array | tuple
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -198,8 +197,8 @@ class FlatResidual:
         """The residual per leaf, in the tree structure of ``like`` (the parameters)."""
         return jax.tree.unflatten(jax.tree.structure(like), self.leaves())
 
-    def check_like(self, stage: str, updates: Any) -> list:
-        """The leaves of ``updates`` (streams as leaves), checked to be those of the tree init saw."""
+    def check_like(self, stage: str, updates: Any) -> None:
+        """Raises unless ``updates`` (streams as leaves) has the leaves of the tree init saw."""
         leaves, paths = _leaves_and_paths(updates)
         if paths != self.paths:
             raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
@@ -211,7 +210,6 @@ class FlatResidual:
                 got = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
                 raise ValueError(f"{stage}: gradient leaf {i} has {got} but init saw {shape}; "
                                  "re-run init with the parameters you train")
-        return leaves
 
 
 def _leaves_and_paths(tree: Any) -> tuple[list, tuple[str, ...]]:
@@ -224,8 +222,8 @@ class ReduceState(NamedTuple):
     with QSGD, else ``()``), the last update's stats and, with ``quantize_feedback``, what QSGD's
     split phase lost on this rank per fused buffer (float32, added to the next update's buffers)."""
 
-    count: jax.Array
-    key: jax.Array
+    count: jax.Array | tuple
+    key: jax.Array | tuple
     stats: GradientStats
     quantization_error: tuple = ()
 
