@@ -168,9 +168,12 @@ def test_checkpoint_of_the_single_state_layout_continues(kwargs):
     keys = [x for x in (tree_get(state[0], "key", ()), reduce_state.key) if not isinstance(x, tuple)]
     assert len(keys) == (2 if "quantize_bits" in kwargs else 0)
     assert all(np.array_equal(keys[0], x) for x in keys)
+    stats = reduce_state.stats
+    # As those checkpoints hold them: the residual per leaf, the stats as three scalars.
     old = sparcml_jax.AllreduceGradientsState(
-        residual=jax.tree.map(lambda p: jnp.zeros((0,)), params) if residual is None else residual,
-        step=jnp.int32(2), key=keys[0] if keys else jnp.zeros(2, jnp.uint32), stats=reduce_state.stats)
+        residual=jax.tree.map(lambda p: jnp.zeros((0,)), params) if residual is None else residual.tree(params),
+        step=jnp.int32(2), key=keys[0] if keys else jnp.zeros(2, jnp.uint32),
+        stats=(stats.density, stats.bytes_sent, stats.algorithm))
     restored = pickle.loads(pickle.dumps(jax.device_get(old)))
     want, want_state = update(grads[2], state)
     got, got_state = update(grads[2], restored)

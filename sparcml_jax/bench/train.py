@@ -175,10 +175,10 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
         sparcml_jax.fuse_leaves(sparcml_jax.sparsify(density=args.density), **fusing)), sparcml_jax.densify())
     sparse = sparcml_jax.allreduce_gradients(**compression)
     extra = len(jax.tree.leaves(sparse.init(initial)))
+    carrying = f"dense step + {extra} scalar state {'leaf' if extra == 1 else 'leaves'}"
     reducers = {"dense step": sparcml_jax.dense_allreduce_gradients(),
                 "sparse step": sparse,
-                f"dense step + {extra} scalar state {'leaf' if extra == 1 else 'leaves'}": optax.chain(sparcml_jax.dense_allreduce_gradients(),
-                                                                        _scalar_state(extra)),
+                carrying: optax.chain(sparcml_jax.dense_allreduce_gradients(), _scalar_state(extra)),
                 "model and optimizer only": optax.identity(),
                 "+ packing" if exact else "+ selection and error feedback": local}
     programs, calls = {}, {}
