@@ -49,7 +49,6 @@ from sparcml_jax.sparse_updates import apply_updates, lazy
 from sparcml_jax.stream import SparseStream, dense_threshold
 from sparcml_jax.stages import (
     ErrorFeedbackState,
-    FlatResidual,
     GlobalTopkState,
     GradientStats,
     ReduceState,
@@ -79,7 +78,6 @@ __all__ = [
     "AllreduceStats",
     "CostModel",
     "ErrorFeedbackState",
-    "FlatResidual",
     "GlobalTopkState",
     "GlobalTopkStats",
     "GradientStats",

@@ -35,7 +35,7 @@ Error feedback alone, before a reduction of your own (here: densify, then whatev
   >>> tx = optax.chain(sparcml_jax.error_feedback(sparcml_jax.sparsify(k=1)), sparcml_jax.densify())
   >>> state = tx.init(params)
   >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.0])}, state, params)
-  >>> sent["w"].tolist(), state[0].residual.tree(params)["w"].tolist()
+  >>> sent["w"].tolist(), state[0].residual["w"].tolist()
   ([0.0, -5.0, 0.0, 0.0], [1.0, 0.0, 2.0, 0.0])
 
 A density per layer, and layers kept out of compression (exact sums of their nonzeros, as CGX
@@ -86,140 +86,41 @@ from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_st
 SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled dense
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class GradientStats:
+class GradientStats(NamedTuple):
     """What the last update did, for logging.
 
-    One float32 vector in the state, read through the properties (a step that communicates pays
-    JAX's dispatch for every state leaf; see :class:`FlatResidual`). Build one with :meth:`of`.
-
     Attributes:
-      values: float32 ``[density, bytes_sent, algorithm]`` (stacked in front by ``vmap``).
       density: float32 nonzeros of the reduced buffers over their length.
       bytes_sent: float32 payload bytes this rank sent in the last update.
       algorithm: int32 index into ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``
         of the largest buffer's algorithm (-1 when it travelled dense: during warm-up, or when a
         rank exceeded ``capacity``).
-
-    Example:
-      >>> import sparcml_jax
-      >>> stats = sparcml_jax.GradientStats.of(0.25, 1024.0, 2)
-      >>> float(stats.density), float(stats.bytes_sent), int(stats.algorithm)
-      (0.25, 1024.0, 2)
     """
 
-    values: jax.Array
-
-    @classmethod
-    def of(cls, density: Any, bytes_sent: Any, algorithm: Any) -> "GradientStats":
-        return cls(jnp.stack([jnp.asarray(x, jnp.float32) for x in (density, bytes_sent, algorithm)], axis=-1))
-
-    @property
-    def density(self) -> jax.Array:
-        return self.values[..., 0]
-
-    @property
-    def bytes_sent(self) -> jax.Array:
-        return self.values[..., 1]
-
-    @property
-    def algorithm(self) -> jax.Array:
-        return self.values[..., 2].astype(jnp.int32)
+    density: jax.Array
+    bytes_sent: jax.Array
+    algorithm: jax.Array
 
 
 class SparsifyState(NamedTuple):
     """:func:`sparsify`'s step count, kept with warm-up, and PRNG key data, kept unless the
-    sparsifier is ``"topk"`` (which draws nothing); each ``()`` when not kept, since every state
-    leaf costs a communicating step its dispatch (:class:`FlatResidual`)."""
+    sparsifier is ``"topk"`` (which draws nothing); each ``()`` when not kept: a step with MPI
+    calls takes JAX's Python dispatch path, which handles every state leaf one by one."""
 
     count: jax.Array | tuple
     key: jax.Array | tuple
 
 
 class ErrorFeedbackState(NamedTuple):
-    """:func:`error_feedback`'s residual (a :class:`FlatResidual`) and its sparsifier's state."""
+    """:func:`error_feedback`'s residual (float32, like the updates) and its sparsifier's state."""
 
     residual: Any
     inner: Any
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FlatResidual:
-    """What error feedback holds back: one float32 vector over every leaf of the parameters.
-
-    One vector rather than one array per leaf, as ``optax.flatten`` keeps its state: a program
-    with MPI calls takes JAX's Python dispatch path, which handles every argument and result one
-    by one (about 30 us per state leaf and step on a 2-core VM; BENCHMARKS.md). :meth:`tree`
-    gives the per-leaf view.
-
-    Attributes:
-      flat: float32, every leaf raveled in flattening order (a stream leaf's segment stays zero:
-        streams are sent whole).
-      shapes: static: every leaf's shape.
-      paths: static: every leaf's key path (``jax.tree_util.keystr``), to check that the
-        gradient is the tree ``init`` saw.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import sparcml_jax
-      >>> params = {"b": jnp.ones(2), "w": jnp.ones((2, 3))}
-      >>> r = sparcml_jax.FlatResidual.zeros(params)
-      >>> r.flat.shape, r.tree(params)["w"].shape
-      ((8,), (2, 3))
-    """
-
-    flat: jax.Array
-    shapes: tuple = dataclasses.field(metadata=dict(static=True))
-    paths: tuple = dataclasses.field(metadata=dict(static=True))
-
-    @classmethod
-    def zeros(cls, params: Any) -> "FlatResidual":
-        leaves, paths = _leaves_and_paths(params)
-        shapes = tuple(tuple(jnp.shape(x)) for x in leaves)
-        return cls(jnp.zeros((sum(math.prod(s) for s in shapes),), VALUE_DTYPE), shapes, paths)
-
-    @classmethod
-    def of(cls, residual: Any) -> "FlatResidual":
-        """A tree of per-leaf residuals, joined."""
-        leaves, paths = _leaves_and_paths(residual)
-        return cls(cls.join(leaves), tuple(tuple(jnp.shape(x)) for x in leaves), paths)
-
-    @staticmethod
-    def join(leaves: list) -> jax.Array:
-        return join_flat(leaves, VALUE_DTYPE) if leaves else jnp.zeros((0,), VALUE_DTYPE)
-
-    def leaves(self) -> list[jax.Array]:
-        return split_like(self.flat, [(shape, VALUE_DTYPE) for shape in self.shapes])
-
-    def tree(self, like: Any) -> Any:
-        """The residual per leaf, in the tree structure of ``like`` (the parameters)."""
-        return jax.tree.unflatten(jax.tree.structure(like), self.leaves())
-
-    def check_like(self, stage: str, updates: Any) -> None:
-        """Raises unless ``updates`` (streams as leaves) has the leaves of the tree init saw."""
-        leaves, paths = _leaves_and_paths(updates)
-        if paths != self.paths:
-            raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
-                             f"(init: {list(self.paths)}, update: {list(paths)}); re-run init with the parameters "
-                             "you train")
-        for i, (leaf, shape) in enumerate(zip(leaves, self.shapes)):
-            if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != math.prod(shape) or (
-                    not is_stream(leaf) and tuple(jnp.shape(leaf)) != shape):
-                got = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
-                raise ValueError(f"{stage}: gradient leaf {i} has {got} but init saw {shape}; "
-                                 "re-run init with the parameters you train")
-
-
-def _leaves_and_paths(tree: Any) -> tuple[list, tuple[str, ...]]:
-    with_paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_stream)[0]
-    return [x for _, x in with_paths], tuple(jax.tree_util.keystr(path) for path, _ in with_paths)
-
-
 class ReduceState(NamedTuple):
-    """:func:`reduce_streams`'s step count (kept with warm-up, else ``()``), PRNG key data (kept
-    with QSGD, else ``()``), the last update's stats and, with ``quantize_feedback``, what QSGD's
+    """:func:`reduce_streams`'s step count (kept with warm-up or an array ``warmup_steps``, else
+    ``()``), PRNG key data (kept with QSGD, else ``()``), the last update's stats and, with ``quantize_feedback``, what QSGD's
     split phase lost on this rank per fused buffer (float32, added to the next update's buffers)."""
 
     count: jax.Array | tuple
@@ -305,28 +206,40 @@ def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTr
       >>> import jax.numpy as jnp
       >>> import sparcml_jax
       >>> tx = sparcml_jax.error_feedback(sparcml_jax.sparsify(k=1))
-      >>> params = {"w": jnp.zeros(3)}
-      >>> state = tx.init(params)
+      >>> state = tx.init({"w": jnp.zeros(3)})
       >>> sent, state = tx.update({"w": jnp.array([1.0, -2.0, 0.5])}, state)
-      >>> sent["w"].to_dense().tolist(), state.residual.tree(params)["w"].tolist()
+      >>> sent["w"].to_dense().tolist(), state.residual["w"].tolist()
       ([0.0, -2.0, 0.0], [1.0, 0.0, 0.5])
     """
 
     def init_fn(params):
-        return ErrorFeedbackState(FlatResidual.zeros(params), sparsifier.init(params))
+        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params)
+        return ErrorFeedbackState(residual, sparsifier.init(params))
 
     def update_fn(updates, state, params=None):
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
-        state.residual.check_like("error_feedback", updates)
-        residual = state.residual.leaves()
+        residual, residual_def = jax.tree.flatten(state.residual)
+        check_like_residual("error_feedback", leaves, treedef, residual, residual_def)
         accumulated = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
         sent, inner_state = sparsifier.update(jax.tree.unflatten(treedef, accumulated), state.inner, params)
         new_residual = [r if is_stream(a) else a - s
                         for a, r, s in zip(accumulated, residual, sent_values(sent, accumulated))]
-        return sent, ErrorFeedbackState(dataclasses.replace(state.residual, flat=FlatResidual.join(new_residual)),
-                                        inner_state)
+        return sent, ErrorFeedbackState(jax.tree.unflatten(residual_def, new_residual), inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, residual_def: Any) -> None:
+    """The gradient has the pytree and leaf shapes of the residual that init made."""
+    if treedef != residual_def:
+        raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
+                         f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train")
+    for i, (leaf, r) in enumerate(zip(leaves, residual)):
+        if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != r.size or (
+                not is_stream(leaf) and jnp.shape(leaf) != r.shape):
+            shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
+            raise ValueError(f"{stage}: gradient leaf {i} has {shape} but init saw {r.shape}; "
+                             "re-run init with the parameters you train")
 
 
 def sent_values(sent: Any, like: list) -> list:
@@ -415,7 +328,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                       quantize_scale=quantize_scale, cost_model=cost_model)
 
     def init_fn(params):
-        stats = GradientStats.of(0, 0, SENT_DENSE)
+        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
         errors = ()
         if quantize_feedback:
             if not hasattr(params, "parts"):
@@ -504,8 +417,8 @@ def _carries_small(dense: list, fused: list, pending: list, nonblocking: bool, q
 
 def _with_small(vector: Any, stream: SparseStream | None, dense: list) -> tuple[Any, tuple]:
     """The first fused buffer (and its stream) with every entry of the small leaves after its own."""
-    if stream is None:  # XLA merges this concatenation into fuse_leaves' own
-        return jnp.concatenate([vector, join_flat(dense, vector.dtype)]), (None, None)
+    if stream is None:
+        return join_flat([vector, *dense], vector.dtype), (None, None)
     return vector, (append_dense(stream, join_flat(dense, VALUE_DTYPE)), None)
 
 
@@ -537,10 +450,13 @@ def dense_sum(leaves: list, group: Group, average: bool) -> list:
 
 def join_flat(leaves: list, dtype: Any) -> jax.Array:
     """The leaves raveled and concatenated into one ``dtype`` vector (:func:`split_like` cuts it back)."""
+    parts = [jnp.ravel(jnp.asarray(x, dtype)) for x in leaves]
+    total = sum(x.shape[0] for x in parts)
+    if total >= 2**31:  # the offsets of dynamic_update_slice are int32
+        return jnp.concatenate(parts)
     # In place, leaf by leaf: XLA:CPU fuses the ravel of a matrix into a concatenate and then
     # emits it element by element, 2.5-3x the time (the digits MLP's six leaves: 185 against 75 us).
-    parts = [jnp.ravel(jnp.asarray(x, dtype)) for x in leaves]
-    out, offset = jnp.zeros((sum(x.shape[0] for x in parts),), dtype), 0
+    out, offset = jnp.zeros((total,), dtype), 0
     for x in parts:
         out = jax.lax.dynamic_update_slice(out, x, (offset,))
         offset += x.shape[0]
@@ -630,7 +546,7 @@ def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | Non
     """Nonzeros and bytes of every buffer (of these sizes); the algorithm of the largest fused
     buffer (else stream)."""
     if not sizes:
-        return GradientStats.of(0, 0, SENT_DENSE)
+        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
     nnz = sum(stats.result_nnz.astype(jnp.float32) for _, stats, _ in results)
     sent = sum(stats.bytes_sent for _, stats, _ in results)
     candidates = range(fused) if fused else range(len(sizes))
@@ -638,14 +554,14 @@ def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | Non
     code = results[largest][1].algorithm
     if warming is not None:
         code = jnp.where(warming, SENT_DENSE, code)
-    return GradientStats.of(nnz / max(sum(sizes), 1), sent, code)
+    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), code)
 
 
 class GlobalTopkState(NamedTuple):
     """:func:`global_topk_reduce`'s state.
 
     Attributes:
-      residual: what this rank holds back, a :class:`FlatResidual` (``None`` without error
+      residual: float32, like the updates: what this rank holds back (``None`` without error
         feedback).
       inner: the packer's state.
       count: int32 steps taken (for warm-up).
@@ -716,7 +632,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
       >>> params = {"w": jnp.zeros(4)}
       >>> state = tx.init(params)
       >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.5])}, state, params)
-      >>> sent["w"].tolist(), optax.tree_utils.tree_get(state, "residual").tree(params)["w"].tolist()
+      >>> sent["w"].tolist(), optax.tree_utils.tree_get(state, "residual")["w"].tolist()
       ([0.0, -5.0, 2.0, 0.0], [1.0, 0.0, 0.0, 0.5])
     """
     if algorithm not in GLOBAL_TOPK_ALGORITHMS:
@@ -739,14 +655,14 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         return [leaf_budget(x.shape[0], total, density, k) for x in fused]
 
     def init_fn(params):
-        residual = FlatResidual.zeros(params) if error_feedback else None
+        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params) if error_feedback else None
         inner_state = optax.EmptyState() if inner is None else inner.init(params)
         carried = ()
         if algorithm == "oktopk":
             fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
             nprocs = Group.of(comm, axis_name).size
             carried = tuple(init_oktopk_state(nprocs=nprocs) for _ in fused)
-        stats = GradientStats.of(0, 0, SENT_DENSE)
+        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
         return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
 
     def update_fn(updates, state, params=None):
@@ -755,8 +671,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         on_group = dict(collective_options, transport=group.transport(transport))
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
         if error_feedback:
-            state.residual.check_like("global_topk_reduce", updates)
-            residual = state.residual.leaves()
+            residual, residual_def = jax.tree.flatten(state.residual)
+            check_like_residual("global_topk_reduce", leaves, treedef, residual, residual_def)
             leaves = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
         packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
         dense, fused, given = _buffers(packed)
@@ -778,8 +694,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         if error_feedback:
             kept = _unpacked(packed, [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in dense],
                              [r for _, r, *_ in summed], given, treedef)
-            new_residual = dataclasses.replace(state.residual, flat=FlatResidual.join(
-                [r if is_stream(a) else new for a, r, new in zip(leaves, residual, kept)]))
+            new_residual = jax.tree.unflatten(
+                residual_def, [r if is_stream(a) else new for a, r, new in zip(leaves, residual, kept)])
         carried = tuple(c for _, _, c, *_ in summed) if state.oktopk else ()
         new_state = GlobalTopkState(new_residual, inner_state, state.count + 1, stats, carried)
         return _unpacked(packed, reduced_dense, out_fused, out_given, treedef, tree=True), new_state
@@ -842,11 +758,11 @@ def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | No
 def _gathered_stats(counts: list[tuple], sizes: list[int], fused: int) -> GradientStats:
     """Nonzeros and bytes of every buffer; the algorithm of the largest fused buffer (else stream)."""
     if not counts:
-        return GradientStats.of(0, 0, SENT_DENSE)
+        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
     nnz = sum(c[0] for c in counts)
     sent = sum(c[1] for c in counts)
     largest = max(range(fused) if fused else range(len(counts)), key=lambda i: sizes[i])
-    return GradientStats.of(nnz / max(sum(sizes), 1), sent, counts[largest][2])
+    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), counts[largest][2])
 
 
 def densify() -> optax.GradientTransformation:

@@ -26,7 +26,6 @@ from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax import sparsifiers, stages
 from sparcml_jax.stages import (
     ErrorFeedbackState,
-    FlatResidual,
     GradientStats,
     ReduceState,
     SparsifyState,
@@ -197,16 +196,13 @@ class AllreduceGradientsState(NamedTuple):
     """The single-NamedTuple state that older checkpoints of :func:`allreduce_gradients` hold.
 
     :func:`allreduce_gradients` continues from it (its update converts it to the chained state
-    of its stages, with the same residual, step count, key and stats). Its ``residual`` is a
-    :class:`~sparcml_jax.FlatResidual` or, as those checkpoints hold it, the parameters' tree of
-    float32 leaves; its ``stats`` a :class:`GradientStats` or its three values (density, bytes
-    sent, algorithm).
+    of its stages, with the same residual, step count, key and stats).
     """
 
     residual: Any
     step: jax.Array
     key: jax.Array
-    stats: Any
+    stats: GradientStats
 
 
 def allreduce_gradients(
@@ -243,8 +239,7 @@ def allreduce_gradients(
     ``optax.chain(error_feedback(fuse_leaves(sparsify(...))), reduce_streams(...), densify())``
     (without :func:`~sparcml_jax.sparsify` and error feedback when neither ``density`` nor ``k``
     is given); ``optax.tree_utils.tree_get(state, "residual")`` and ``(state, "stats")`` find
-    the residual (a :class:`~sparcml_jax.FlatResidual`: ``.tree(params)`` is its per-leaf view) and
-    the last :class:`GradientStats`.
+    the residual and the last :class:`GradientStats`.
 
     Args:
       density: fraction of entries each rank sends per step, in (0, 1].
@@ -449,17 +444,13 @@ def _from_single_state(old: AllreduceGradientsState, with_feedback: bool, exact:
     step count and the keys where the stages keep them."""
     step = old.step if count else ()
     sparsify_state = SparsifyState(step, old.key if sparsify_key else ())
-    residual = old.residual
-    if with_feedback and any(np.size(r) == 0 for r in jax.tree.leaves(residual)):
+    first = (optax.EmptyState() if exact else
+             ErrorFeedbackState(old.residual, sparsify_state) if with_feedback else sparsify_state)
+    if with_feedback and any(np.size(r) == 0 for r in jax.tree.leaves(old.residual)):
         raise ValueError("allreduce_gradients: this checkpoint was written without error feedback (its residual "
                          "is empty); restore it into allreduce_gradients(..., error_feedback=False) or start from "
                          "tx.init(params)")
-    if with_feedback and not isinstance(residual, FlatResidual):  # a residual per leaf, as the layout kept it
-        residual = FlatResidual.of(residual)
-    first = (optax.EmptyState() if exact else
-             ErrorFeedbackState(residual, sparsify_state) if with_feedback else sparsify_state)
-    stats = old.stats if isinstance(old.stats, GradientStats) else GradientStats.of(*old.stats)  # its 3 fields
-    return first, ReduceState(step, old.key if reduce_key else (), stats), optax.EmptyState()
+    return first, ReduceState(step, old.key if reduce_key else (), old.stats), optax.EmptyState()
 
 
 def dense_allreduce_gradients(*, comm: MPI.Comm | None = None, axis_name: Hashable | None = None,

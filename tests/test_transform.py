@@ -42,7 +42,7 @@ def test_error_feedback_loses_nothing(sparsifier, fuse, buckets):
         sent, state = update(grads, state)
         total_grads = jax.tree.map(jnp.add, total_grads, grads)
         total_sent = jax.tree.map(jnp.add, total_sent, sent)
-    accounted = jax.tree.map(jnp.add, total_sent, tree_get(state, "residual").tree(params))
+    accounted = jax.tree.map(jnp.add, total_sent, tree_get(state, "residual"))
     for got, want in zip(jax.tree.leaves(accounted), jax.tree.leaves(total_grads)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert 0 < float(tree_get(state, "stats").density) <= 0.06
@@ -101,14 +101,15 @@ def test_exact_mode_with_capacity_falls_back_to_dense():
 
 
 def test_state_holds_a_few_arrays():
-    """A step that communicates pays JAX's dispatch for every state leaf: the residual and the stats
-    are one array each, and step counts and keys are kept only where something reads them."""
+    """A step that communicates pays JAX's dispatch for every state leaf: step counts and keys are
+    kept only where something reads them."""
     params = params_tree()
+    n = len(jax.tree.leaves(params))
     leaves = lambda **kwargs: len(jax.tree.leaves(allreduce_gradients(**kwargs).init(params)))  # noqa: E731
-    assert leaves(density=0.01) == 2  # the residual and the stats
-    assert leaves(density=0.01, quantize_bits=4) == 3  # and QSGD's key
-    assert leaves(density=0.01, sparsifier="randomk", warmup_steps=5) == 5  # and two counts and randomk's key
-    assert leaves() == 1  # the exact mode: the stats
+    assert leaves(density=0.01) == n + 3  # the residual per leaf and the three stats
+    assert leaves(density=0.01, quantize_bits=4) == n + 4  # and QSGD's key
+    assert leaves(density=0.01, sparsifier="randomk", warmup_steps=5) == n + 6  # and two counts and randomk's key
+    assert leaves() == 3  # the exact mode: the stats
 
 
 def test_composes_with_adam_and_inject_hyperparams():
@@ -149,7 +150,7 @@ def test_checkpoint_restore_continues_bit_identically():
 
 
 @pytest.mark.parametrize("kwargs", [dict(density=0.05, sparsifier="randomk", quantize_bits=4), dict(min_size=16),
-                                    dict(k=30, error_feedback=False)])
+                                    dict(k=30, error_feedback=False), dict(density=0.05, warmup_steps=3)])
 def test_checkpoint_of_the_single_state_layout_continues(kwargs):
     """A state of the single-NamedTuple layout (AllreduceGradientsState) continues where it stopped:
     the chained state holds its residual, step count, key and stats."""
@@ -168,12 +169,9 @@ def test_checkpoint_of_the_single_state_layout_continues(kwargs):
     keys = [x for x in (tree_get(state[0], "key", ()), reduce_state.key) if not isinstance(x, tuple)]
     assert len(keys) == (2 if "quantize_bits" in kwargs else 0)
     assert all(np.array_equal(keys[0], x) for x in keys)
-    stats = reduce_state.stats
-    # As those checkpoints hold them: the residual per leaf, the stats as three scalars.
     old = sparcml_jax.AllreduceGradientsState(
-        residual=jax.tree.map(lambda p: jnp.zeros((0,)), params) if residual is None else residual.tree(params),
-        step=jnp.int32(2), key=keys[0] if keys else jnp.zeros(2, jnp.uint32),
-        stats=(stats.density, stats.bytes_sent, stats.algorithm))
+        residual=jax.tree.map(lambda p: jnp.zeros((0,)), params) if residual is None else residual,
+        step=jnp.int32(2), key=keys[0] if keys else jnp.zeros(2, jnp.uint32), stats=reduce_state.stats)
     restored = pickle.loads(pickle.dumps(jax.device_get(old)))
     want, want_state = update(grads[2], state)
     got, got_state = update(grads[2], restored)
@@ -284,3 +282,23 @@ def test_dense_baseline_transform():
     tx = sparcml_jax.dense_allreduce_gradients()
     out, _ = jax.jit(tx.update)({"w": jnp.arange(3.0)}, tx.init({"w": jnp.zeros(3)}))
     np.testing.assert_array_equal(np.asarray(out["w"]), [0.0, 1.0, 2.0])
+
+
+def test_join_flat_places_every_leaf_and_split_like_cuts_them_back():
+    from sparcml_jax.stages import join_flat, shapes_and_dtypes, split_like
+
+    leaves = [jnp.arange(6.0).reshape(2, 3), jnp.array([7.0]), jnp.zeros((0,)), jnp.arange(4.0, dtype=jnp.bfloat16)]
+    flat = jax.jit(lambda xs: join_flat(xs, jnp.float32))(leaves)
+    np.testing.assert_array_equal(np.asarray(flat), np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves]))
+    for got, want in zip(split_like(flat, shapes_and_dtypes(leaves)), leaves):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_join_flat_beyond_int32_offsets_concatenates():
+    """dynamic_update_slice's offsets are int32: past 2^31 entries the join must not wrap around."""
+    from sparcml_jax.stages import join_flat
+
+    huge = [jax.ShapeDtypeStruct((2**31,), jnp.bfloat16), jax.ShapeDtypeStruct((10,), jnp.bfloat16)]
+    text = jax.jit(lambda xs: join_flat(xs, jnp.bfloat16)).lower(huge).as_text()
+    assert "concatenate" in text and "dynamic_update_slice" not in text
