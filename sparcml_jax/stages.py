@@ -120,8 +120,9 @@ class ErrorFeedbackState(NamedTuple):
 
 class ReduceState(NamedTuple):
     """:func:`reduce_streams`'s step count (kept with warm-up or an array ``warmup_steps``, else
-    ``()``), PRNG key data (kept with QSGD, else ``()``), the last update's stats and, with ``quantize_feedback``, what QSGD's
-    split phase lost on this rank per fused buffer (float32, added to the next update's buffers)."""
+    ``()``), PRNG key data (kept with QSGD, else ``()``), the last update's stats and, with
+    ``quantize_feedback``, what QSGD's split phase lost on this rank per fused buffer (float32,
+    added to the next update's buffers)."""
 
     count: jax.Array | tuple
     key: jax.Array | tuple

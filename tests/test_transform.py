@@ -289,7 +289,8 @@ def test_join_flat_places_every_leaf_and_split_like_cuts_them_back():
 
     leaves = [jnp.arange(6.0).reshape(2, 3), jnp.array([7.0]), jnp.zeros((0,)), jnp.arange(4.0, dtype=jnp.bfloat16)]
     flat = jax.jit(lambda xs: join_flat(xs, jnp.float32))(leaves)
-    np.testing.assert_array_equal(np.asarray(flat), np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves]))
+    want = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves])
+    np.testing.assert_array_equal(np.asarray(flat), want)
     for got, want in zip(split_like(flat, shapes_and_dtypes(leaves)), leaves):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
