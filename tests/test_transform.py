@@ -303,3 +303,24 @@ def test_join_flat_beyond_int32_offsets_concatenates():
     huge = [jax.ShapeDtypeStruct((2**31,), jnp.bfloat16), jax.ShapeDtypeStruct((10,), jnp.bfloat16)]
     text = jax.jit(lambda xs: join_flat(xs, jnp.bfloat16)).lower(huge).as_text()
     assert "concatenate" in text and "dynamic_update_slice" not in text
+
+
+def test_state_that_keeps_every_count_and_key_continues():
+    """A chained state written when every stage kept its count and key (arrays where the stages now
+    keep ``()``) updates exactly like the current one."""
+    params = params_tree()
+    tx = allreduce_gradients(density=0.05)
+    update = jax.jit(tx.update)
+    grads = random_grads(np.random.default_rng(7), params)
+    feedback, reduce, densify = tx.init(params)
+    older = (feedback._replace(inner=sparcml_jax.SparsifyState(jnp.int32(4), jnp.zeros(2, jnp.uint32))),
+             reduce._replace(count=jnp.int32(4), key=jnp.zeros(2, jnp.uint32)), densify)
+    want, want_state = update(grads, (feedback, reduce, densify))
+    got, got_state = update(grads, pickle.loads(pickle.dumps(jax.device_get(older))))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(got_state[0].residual), jax.tree.leaves(want_state[0].residual)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    again, _ = update(grads, got_state)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(update(grads, want_state)[0])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
