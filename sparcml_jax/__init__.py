@@ -67,6 +67,7 @@ from sparcml_jax.transform import (
     dense_allreduce_gradients,
     fuse_leaves,
     plan_leaves,
+    unfuse_leaves,
 )
 from sparcml_jax import sparsifiers
 
@@ -132,4 +133,5 @@ __all__ = [
     "split_reference",
     "topk",
     "topk_reference",
+    "unfuse_leaves",
 ]

@@ -60,6 +60,7 @@ Logging the stats, wherever they sit in the optimizer state:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Hashable, NamedTuple
@@ -86,20 +87,47 @@ from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_st
 SENT_DENSE = -1  # GradientStats.algorithm when the largest buffer travelled dense
 
 
-class GradientStats(NamedTuple):
-    """What the last update did, for logging.
+class GradientStats(collections.namedtuple("GradientStats", ["values"])):
+    """What the last update did, for logging: one float32 vector in the state, read through the
+    properties (a step that communicates pays JAX's dispatch for every state leaf, about 30 us
+    each way on a 2-core VM; BENCHMARKS.md). Build it from the three numbers.
 
     Attributes:
+      values: float32 ``[density, bytes_sent, algorithm]`` (stacked in front by ``vmap``).
       density: float32 nonzeros of the reduced buffers over their length.
       bytes_sent: float32 payload bytes this rank sent in the last update.
       algorithm: int32 index into ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``
         of the largest buffer's algorithm (-1 when it travelled dense: during warm-up, or when a
         rank exceeded ``capacity``).
+
+    Example:
+      >>> import sparcml_jax
+      >>> stats = sparcml_jax.GradientStats(0.25, 1024.0, 2)
+      >>> float(stats.density), float(stats.bytes_sent), int(stats.algorithm)
+      (0.25, 1024.0, 2)
     """
 
-    density: jax.Array
-    bytes_sent: jax.Array
-    algorithm: jax.Array
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GradientStats":
+        if len(args) + len(kwargs) == 1:  # the packed vector: unflattening, unpickling, Flax's msgpack
+            return super().__new__(cls, *args, **kwargs)
+        # Three numbers (density, bytes_sent, algorithm): a new record, or one pickled as three fields.
+        numbers = dict(zip(("density", "bytes_sent", "algorithm"), args), **kwargs)
+        return super().__new__(cls, jnp.stack([jnp.asarray(numbers[name], jnp.float32)
+                                               for name in ("density", "bytes_sent", "algorithm")], axis=-1))
+
+    @property
+    def density(self) -> jax.Array:
+        return self.values[..., 0]
+
+    @property
+    def bytes_sent(self) -> jax.Array:
+        return self.values[..., 1]
+
+    @property
+    def algorithm(self) -> jax.Array:
+        return self.values[..., 2].astype(jnp.int32)
 
 
 class SparsifyState(NamedTuple):

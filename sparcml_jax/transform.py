@@ -139,8 +139,12 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
 
     Like ``optax.flatten(inner)``, for a plan of groups (:func:`plan_leaves`): ``inner`` sees
     the tuple of flat buffers (:func:`fused_dtype`; at init: of the parameters) and typically sparsifies them,
-    so that top-k picks across the layers of a group. Follow with :func:`reduce_streams` and
-    :func:`densify`.
+    so that top-k picks across the layers of a group; its state is in that layout (an inner
+    :func:`~sparcml_jax.error_feedback` keeps one residual vector per buffer, which
+    :func:`unfuse_leaves` cuts back into the parameters' leaves). Gradient leaves that are
+    streams leave their groups; the residual's segments of the other leaves then follow them,
+    and a stream leaf's segment is kept for when it comes back dense. Follow with
+    :func:`reduce_streams` and :func:`densify`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -151,6 +155,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
       >>> groups.fused[0].indices.tolist(), groups.fused[0].values.tolist(), groups.dense[0].tolist()
       ([1], [9.0], [3.0])
     """
+    planned = dict(min_size=min_size, fuse=fuse, buckets=buckets)
 
     def pack(tree: Any) -> LeafGroups:
         leaves, treedef = jax.tree.flatten(tree, is_leaf=is_stream)
@@ -163,8 +168,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         if buckets is not None and any(kinds):
             raise ValueError("allreduce_gradients: SparseStream gradient leaves are not supported with buckets; "
                              "pass buckets=None")
-        plan = plan_leaves([x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves], kinds,
-                           min_size=min_size, fuse=fuse, buckets=buckets)
+        plan = plan_leaves(_leaf_sizes(leaves), kinds, **planned)
         fused = tuple(stages.join_flat([leaves[i] for i in group], fused_dtype([leaves[i] for i in group]))
                       for group in plan.groups)
         like = tuple(None if s else (jnp.shape(x), jnp.result_type(x)) for x, s in zip(leaves, kinds))
@@ -179,10 +183,90 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         groups = pack(updates)
         if inner is None:
             return groups, state
+        leaves = jax.tree.leaves(updates, is_leaf=is_stream)
+        sizes = _leaf_sizes(leaves)
+        at_init = plan_leaves(sizes, [False] * len(leaves), **planned)  # the plan inner.init saw
+        if not isinstance(state, ErrorFeedbackState):
+            fused, state = inner.update(groups.fused, state)
+            return dataclasses.replace(groups, fused=tuple(fused)), state
+        kept = state.residual
+        want = [(sum(sizes[i] for i in group),) for group in at_init.groups]
+        if not (isinstance(kept, tuple) and [jnp.shape(r) for r in kept] == want):
+            raise ValueError(f"fuse_leaves: the gradient's fused buffers have shapes {want}, but the residual that "
+                             f"init made holds {[jnp.shape(r) for r in jax.tree.leaves(kept)]}; re-run init with "
+                             "the parameters you train")
+        if at_init.groups == groups.plan.groups:
+            fused, state = inner.update(groups.fused, state)
+            return dataclasses.replace(groups, fused=tuple(fused)), state
+        state = state._replace(residual=_relaid(kept, at_init.groups, groups.plan.groups, sizes))
         fused, state = inner.update(groups.fused, state)
+        state = state._replace(residual=_relaid(state.residual, groups.plan.groups, at_init.groups, sizes, into=kept))
         return dataclasses.replace(groups, fused=tuple(fused)), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _leaf_sizes(leaves: list) -> list[int]:
+    return [x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves]
+
+
+def _relaid(buffers: tuple, groups: tuple, to_groups: tuple, sizes: list[int], into: tuple | None = None) -> tuple:
+    """Buffers laid out by ``groups`` (leaf indices, each leaf ``sizes[i]`` entries in a row), laid
+    out by ``to_groups``; a leaf in none of ``groups`` keeps its segment of ``into`` (else zeros)."""
+    where = {}
+    for b, group in enumerate(groups):
+        offset = 0
+        for i in group:
+            where[i] = (b, offset)
+            offset += sizes[i]
+    out = []
+    for t, group in enumerate(to_groups):
+        laid, offset = into[t] if into is not None else jnp.zeros((sum(sizes[i] for i in group),), VALUE_DTYPE), 0
+        for i in group:
+            if i in where:
+                b, start = where[i]
+                laid = jax.lax.dynamic_update_slice(laid, buffers[b][start:start + sizes[i]], (offset,))
+            offset += sizes[i]
+        out.append(laid)
+    return tuple(out)
+
+
+def unfuse_leaves(buffers: Sequence[jax.Array], params: Any, *, min_size: int = 1024, fuse: bool = True,
+                  buckets: int | None = None) -> Any:
+    """Flat buffers in :func:`fuse_leaves`'s layout (one per group of :func:`plan_leaves` over the
+    parameters' leaves, with the same ``min_size``, ``fuse`` and ``buckets``) cut back into a
+    pytree like ``params``: a leaf in no group (below ``min_size``) is zeros. It shows the
+    residual of :func:`allreduce_gradients` per parameter.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import sparcml_jax
+      >>> params = {"b": jnp.zeros(2), "w": jnp.zeros((2, 2))}
+      >>> tx = sparcml_jax.allreduce_gradients(k=1, min_size=3)
+      >>> _, state = tx.update({"b": jnp.ones(2), "w": jnp.array([[1.0, -4.0], [2.0, 0.5]])}, tx.init(params))
+      >>> residual = optax.tree_utils.tree_get(state, "residual")
+      >>> [r.tolist() for r in residual]  # one vector per fused buffer: here "w"
+      [[1.0, 0.0, 2.0, 0.5]]
+      >>> sparcml_jax.unfuse_leaves(residual, params, min_size=3)["w"].tolist()
+      [[1.0, 0.0], [2.0, 0.5]]
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    plan = plan_leaves(_leaf_sizes(leaves), [False] * len(leaves), min_size=min_size, fuse=fuse, buckets=buckets)
+    if len(buffers) != len(plan.groups):
+        raise ValueError(f"unfuse_leaves: {len(buffers)} buffers for the {len(plan.groups)} groups of these parameters "
+                         f"(min_size={min_size}, fuse={fuse}, buckets={buckets}); pass the transform's own")
+    out = [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in leaves]
+    for group, flat in zip(plan.groups, buffers):
+        for i, piece in zip(group, split_like(flat, [(jnp.shape(leaves[i]), VALUE_DTYPE) for i in group])):
+            out[i] = piece
+    return jax.tree.unflatten(treedef, out)
+
+
+def _fused_residual(residual: Any, *, min_size: int = 1024, fuse: bool = True, buckets: int | None = None) -> tuple:
+    """A residual per parameter leaf in :func:`fuse_leaves`'s layout (the inverse of :func:`unfuse_leaves`)."""
+    leaves = jax.tree.leaves(residual)
+    plan = plan_leaves(_leaf_sizes(leaves), [False] * len(leaves), min_size=min_size, fuse=fuse, buckets=buckets)
+    return tuple(stages.join_flat([leaves[i] for i in group], VALUE_DTYPE) for group in plan.groups)
 
 
 def fused_dtype(leaves: list) -> Any:
@@ -384,14 +468,39 @@ def allreduce_gradients(
         capacity=capacity, warmup_steps=warmup_steps, nonblocking=buckets is not None, seed=seed,
         quantize_feedback=bool(quantize_feedback), value_dtype=value_dtype)
     compress = None if exact else sparsify(sparsifier, density=density, k=k, warmup_steps=warmup_steps, seed=seed)
-    fused = fuse_leaves(compress, min_size=min_size, fuse=fuse, buckets=buckets)
+    with_feedback = error_feedback and not exact  # exact mode sends every nonzero: nothing to feed back
+    planned = dict(min_size=min_size, fuse=fuse, buckets=buckets)
+    # Error feedback on the fused buffers: the residual is one vector per buffer, added and
+    # updated where the sparsifier works, never joined from or cut into the leaves.
+    fused = fuse_leaves(stages.error_feedback(compress) if with_feedback else compress, **planned)
     if quantize_feedback:  # its state is sized by the fused buffers of the parameters
         reduce = _init_on_packed(reduce, fused)
-    with_feedback = error_feedback and not exact  # exact mode sends every nonzero: nothing to feed back
-    chained = optax.chain(stages.error_feedback(fused) if with_feedback else fused, reduce, densify())
+    chained = optax.chain(fused, reduce, densify())
     layout = dict(count=stages.counts_steps(warmup_steps), sparsify_key=resolve(sparsifier) is not sparsifiers.topk,
                   reduce_key=quantize_bits is not None)
-    return _with_param_checks(chained, lambda old: _from_single_state(old, with_feedback, exact, **layout))
+
+    def from_older(state: Any, updates: Any) -> Any:
+        if isinstance(state, AllreduceGradientsState):
+            state = _from_single_state(state, with_feedback, exact, **layout)
+        first = state[0]
+        if with_feedback and isinstance(first, ErrorFeedbackState) and _per_leaf(first.residual, updates, planned):
+            state = (first._replace(residual=_fused_residual(first.residual, **planned)), *state[1:])
+        return state
+
+    return _with_param_checks(chained, from_older)
+
+
+def _per_leaf(residual: Any, updates: Any, planned: dict) -> bool:
+    """Whether ``residual`` holds one array per gradient leaf, as states written before error
+    feedback moved onto the fused buffers do, rather than one vector per fused buffer."""
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+    sizes = _leaf_sizes(leaves)
+    plan = plan_leaves(sizes, [False] * len(leaves), **planned)
+    if isinstance(residual, tuple) and [jnp.shape(r) for r in residual] == [
+            (sum(sizes[i] for i in group),) for group in plan.groups]:
+        return False
+    kept, kept_def = jax.tree.flatten(residual)
+    return kept_def == treedef and [np.size(r) for r in kept] == sizes
 
 
 def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTransformation):
@@ -399,9 +508,9 @@ def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTrans
     return optax.GradientTransformation(lambda params: tx.init(fused.update(params, fused.init(params))[0]), tx.update)
 
 
-def _with_param_checks(chained: optax.GradientTransformation, from_single_state=None) -> optax.GradientTransformation:
-    """``chained`` with float parameters checked at init, continuing a single-state checkpoint
-    through ``from_single_state``."""
+def _with_param_checks(chained: optax.GradientTransformation, from_older=None) -> optax.GradientTransformation:
+    """``chained`` with float parameters checked at init, continuing a state of an older layout
+    through ``from_older(state, updates)``."""
 
     def init_fn(params):
         for i, leaf in enumerate(jax.tree.leaves(params)):
@@ -409,11 +518,13 @@ def _with_param_checks(chained: optax.GradientTransformation, from_single_state=
         return chained.init(params)
 
     def update_fn(updates, state, params=None):
-        if isinstance(state, AllreduceGradientsState):
-            if from_single_state is None:
-                raise ValueError("allreduce_gradients: a checkpoint of the single-NamedTuple layout holds SparCML's "
-                                 "error feedback, not a global top-k residual; start from tx.init(params)")
-            state = from_single_state(state)
+        if params is not None:
+            check_like_params(updates, params)
+        if from_older is not None:
+            state = from_older(state, updates)
+        elif isinstance(state, AllreduceGradientsState):
+            raise ValueError("allreduce_gradients: a checkpoint of the single-NamedTuple layout holds SparCML's "
+                             "error feedback, not a global top-k residual; start from tx.init(params)")
         return chained.update(updates, state, params)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -483,6 +594,20 @@ def _static(value: Any, name: str) -> Any:
     if isinstance(value, (jax.Array, np.ndarray)):
         return value.item()
     return value
+
+
+def check_like_params(updates: Any, params: Any) -> None:
+    """The gradient has the parameters' tree, and each leaf their size (a stream leaf: its ``size``)."""
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+    like, like_def = jax.tree.flatten(params)
+    if treedef != like_def:
+        raise ValueError(f"allreduce_gradients: the gradient pytree differs from the parameters' (parameters: "
+                         f"{like_def}, gradient: {treedef}); pass the gradient of the parameters you train")
+    for i, (leaf, p) in enumerate(zip(leaves, like)):
+        if (leaf.size if is_stream(leaf) else jnp.shape(leaf)) != (np.size(p) if is_stream(leaf) else jnp.shape(p)):
+            shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
+            raise ValueError(f"allreduce_gradients: gradient leaf {i} has {shape} but its parameter has shape "
+                             f"{jnp.shape(p)}; pass the gradient of the parameters you train")
 
 
 def check_float_leaf(leaf: Any, name: str) -> None:

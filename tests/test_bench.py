@@ -164,9 +164,9 @@ def test_train_breakdown_takes_an_examples_step_apart(model, tmp_path):
                                   "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {r["part"]: r for r in json.loads(out.read_text())}
-    # As many scalar leaves as the sparse transform's state: the residual (one per parameter leaf),
-    # QSGD's key and three stats.
-    leaves = f"dense step + {dict(digits_mlp=6, flax_digits_cnn=8)[model] + 4} scalar state leaves"
+    # As many scalar leaves as the sparse transform's state: the residual of the one fused buffer,
+    # QSGD's key and the stats.
+    leaves = "dense step + 3 scalar state leaves"
     assert set(rows) == {"dense step", "sparse step", leaves, "model and optimizer only",
                          "+ selection and error feedback", "the collective alone (dsar_split_allgather)",
                          "QSGD 4-bit coding of N / P alone"}
@@ -186,7 +186,7 @@ def test_train_breakdown_of_the_exact_mode(tmp_path):
                                   "--bits", "0", "--algorithm", "dense", "--json", str(out)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {r["part"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"dense step", "sparse step", "dense step + 3 scalar state leaves", "model and optimizer only",
+    assert set(rows) == {"dense step", "sparse step", "dense step + 1 scalar state leaf", "model and optimizer only",
                          "+ packing", "the collective alone (dense)"}
     assert rows["sparse step"]["mpi_calls"] == rows["the collective alone (dense)"]["mpi_calls"] == 1
     assert rows["sparse step"]["messages"] is None  # MPICH's allreduce's own

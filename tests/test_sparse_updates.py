@@ -88,11 +88,12 @@ def test_dense_form_stream_is_the_dense_update():
     np.testing.assert_allclose(np.asarray(updates["w"].to_dense()), np.asarray(want["w"]), rtol=1e-6)
 
 
-def test_allreduce_gradients_passes_streams_exactly_beside_sparsified_leaves():
+@pytest.mark.parametrize("min_size", [1024, 0])  # 0: the stream leaf sat in the fused buffer that init planned
+def test_allreduce_gradients_passes_streams_exactly_beside_sparsified_leaves(min_size):
     """density applies to dense leaves (top-k + error feedback); stream leaves travel whole."""
     rng = np.random.default_rng(3)
     params = {"w": jnp.zeros(SIZE), "dense": jnp.zeros(2000)}
-    tx = sparcml_jax.allreduce_gradients(density=0.01)
+    tx = sparcml_jax.allreduce_gradients(density=0.01, min_size=min_size)
     state = tx.init(params)
     stream = _lookup_gradient(rng)
     dense = jnp.asarray(rng.standard_normal(2000).astype(np.float32))
@@ -100,9 +101,37 @@ def test_allreduce_gradients_passes_streams_exactly_beside_sparsified_leaves():
     np.testing.assert_array_equal(np.asarray(out["w"].to_dense()), np.asarray(stream.to_dense()))
     assert int((out["dense"] != 0).sum()) == 20
     residual, stats = (optax.tree_utils.tree_get(state, name) for name in ("residual", "stats"))
+    residual = sparcml_jax.unfuse_leaves(residual, params, min_size=min_size)
     np.testing.assert_array_equal(np.asarray(residual["w"]), np.zeros(SIZE))
     np.testing.assert_allclose(np.asarray(residual["dense"] + out["dense"]), np.asarray(dense))
     assert float(stats.density) == pytest.approx((int(stream.nnz) + 20) / (SIZE + 2000))
+
+
+def test_a_leaf_that_comes_as_a_stream_keeps_its_residual_for_when_it_comes_back_dense():
+    """The residual lives on the fused buffer that init planned; a step whose gradient brings a
+    leaf of that buffer as a stream updates the other leaves' segments and keeps that leaf's."""
+    rng = np.random.default_rng(8)
+    params = {"w": jnp.zeros(SIZE), "dense": jnp.zeros(2000)}
+    tx = sparcml_jax.allreduce_gradients(k=10, min_size=0)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    as_dense = lambda: {"w": jnp.asarray(rng.integers(-4, 5, SIZE).astype(np.float32)),  # noqa: E731
+                        "dense": jnp.asarray(rng.integers(-4, 5, 2000).astype(np.float32))}
+    steps = [as_dense(), {"w": _lookup_gradient(rng), "dense": as_dense()["dense"]}, as_dense()]
+    total_grads = jax.tree.map(jnp.zeros_like, params)
+    total_sent = jax.tree.map(jnp.zeros_like, params)
+    held = []
+    for grads in steps:
+        sent, state = update(grads, state, params)
+        held.append(sparcml_jax.unfuse_leaves(optax.tree_utils.tree_get(state, "residual"), params, min_size=0))
+        dense = {name: g.to_dense() if isinstance(g, sparcml_jax.SparseStream) else g for name, g in grads.items()}
+        total_grads = jax.tree.map(jnp.add, total_grads, dense)
+        total_sent = jax.tree.map(jnp.add, total_sent, {name: x.to_dense() if isinstance(x, sparcml_jax.SparseStream)
+                                                        else x for name, x in sent.items()})
+    assert np.abs(np.asarray(held[0]["w"])).max() > 0  # something of "w" was held back at the first step
+    np.testing.assert_array_equal(np.asarray(held[1]["w"]), np.asarray(held[0]["w"]))  # and kept over the stream step
+    for name in params:
+        np.testing.assert_array_equal(np.asarray(total_sent[name] + held[-1][name]), np.asarray(total_grads[name]))
 
 
 def test_stream_leaf_errors():
@@ -111,9 +140,11 @@ def test_stream_leaf_errors():
     with pytest.raises(ValueError, match="not supported with buckets"):
         tx = sparcml_jax.allreduce_gradients(density=0.1, buckets=2)
         tx.update({"w": _lookup_gradient(rng)}, tx.init(params))
-    with pytest.raises(ValueError, match=r"gradient leaf 0 has a SparseStream of size 50 but init saw \(200,\)"):
+    with pytest.raises(ValueError, match=r"gradient leaf 0 has a SparseStream of size 50 but its parameter has "
+                                         r"shape \(200,\)"):
         tx = sparcml_jax.allreduce_gradients(density=0.1)
-        tx.update({"w": sparcml_jax.coalesce(jnp.array([1], jnp.int32), jnp.ones(1), size=50)}, tx.init(params))
+        tx.update({"w": sparcml_jax.coalesce(jnp.array([1], jnp.int32), jnp.ones(1), size=50)}, tx.init(params),
+                  params)
     with pytest.raises(ValueError, match="the stream must index the flattened parameter"):
         sparcml_jax.apply_updates({"w": jnp.zeros((3, 3))}, {"w": _lookup_gradient(rng)})
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import nnx, serialization
 
 import sparcml_jax
 
@@ -82,9 +82,13 @@ def test_trains_a_model_tree_with_error_feedback(library, buckets):
     step = make_step(tx, loss)
 
     p, s = params, tx.init(params)
-    # The residual mirrors the parameter tree (Flax State of Params, Equinox module with None holes).
-    assert jax.tree.structure(tree_get(s, "residual")) == jax.tree.structure(params)
-    for r, q in zip(jax.tree.leaves(tree_get(s, "residual")), jax.tree.leaves(params)):
+    # The residual is one vector per fused buffer; unfuse_leaves shows it in the parameter tree (Flax
+    # State of Params, Equinox module with None holes).
+    large = sum(q.size for q in jax.tree.leaves(params) if q.size >= MIN_SIZE)
+    assert sum(r.size for r in tree_get(s, "residual")) == large and len(tree_get(s, "residual")) == (buckets or 1)
+    per_leaf = sparcml_jax.unfuse_leaves(tree_get(s, "residual"), params, min_size=MIN_SIZE, buckets=buckets)
+    assert jax.tree.structure(per_leaf) == jax.tree.structure(params)
+    for r, q in zip(jax.tree.leaves(per_leaf), jax.tree.leaves(params)):
         assert r.shape == q.shape
     grads = []
     for _ in range(25):
@@ -110,7 +114,8 @@ def test_trains_a_model_tree_with_error_feedback(library, buckets):
         assert 0 < sum(int(np.count_nonzero(leaf)) for leaf in sent) <= budget  # about 5 % of the buffer
         total_sent = [t + leaf for t, leaf in zip(total_sent, sent)]
     leaves_equal(tree_get(s1, "residual"), tree_get(s, "residual"))
-    residual = [np.asarray(r) for r in jax.tree.leaves(tree_get(s1, "residual"))]
+    residual = [np.asarray(r) for r in jax.tree.leaves(
+        sparcml_jax.unfuse_leaves(tree_get(s1, "residual"), params, min_size=MIN_SIZE, buckets=buckets))]
     assert any(np.abs(r).max() > 0 for r in residual)  # something was held back
     total_grads = [sum(np.asarray(leaf, np.float64) for leaf in leaves) for leaves in zip(*map(jax.tree.leaves, grads))]
     for sent, r, want in zip(total_sent, residual, total_grads):
@@ -129,9 +134,13 @@ def test_exact_mode_is_the_identity_on_model_grads(library, buckets):
 
 
 def save_restore(kind, tree, tmp_path):
-    """Round-trips ``tree`` through pickle or an orbax checkpoint on disk."""
+    """Round-trips ``tree``, (parameters, optimizer state), through pickle, Flax's msgpack or an
+    orbax checkpoint on disk."""
     if kind == "pickle":
         return pickle.loads(pickle.dumps(jax.device_get(tree)))
+    if kind == "msgpack":  # the transform's own state (Flax's msgpack takes no NNX State or Equinox module)
+        p, (ours, *rest) = tree
+        return p, (serialization.from_bytes(ours, serialization.to_bytes(jax.device_get(ours))), *rest)
     path = tmp_path / "ckpt"
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, tree)
@@ -141,7 +150,7 @@ def save_restore(kind, tree, tmp_path):
         return ckptr.restore(path, target)
 
 
-@pytest.mark.parametrize("kind", ["orbax", "pickle"])
+@pytest.mark.parametrize("kind", ["orbax", "pickle", "msgpack"])
 @pytest.mark.parametrize("library", ["flax", "equinox"])
 def test_checkpoint_restore_continues_bit_identically(library, kind, tmp_path):
     params, apply = MODELS[library]()
@@ -156,7 +165,7 @@ def test_checkpoint_restore_continues_bit_identically(library, kind, tmp_path):
         p, s, _ = step(p, s, x, y)
     p2, s2 = save_restore(kind, (p, s), tmp_path)
     assert jax.tree.structure((p2, s2)) == jax.tree.structure((p, s))
-    assert isinstance(tree_get(s2, "residual"), type(params))
+    assert isinstance(tree_get(s2, "stats"), sparcml_jax.GradientStats)
     leaves_equal((p2, s2), (p, s))
     p_mid, s_mid = p2, s2
 
@@ -170,7 +179,7 @@ def test_checkpoint_restore_continues_bit_identically(library, kind, tmp_path):
     # Controls: the comparison can tell a lost state apart. Resuming with a fresh optimizer state,
     # or with only the sparsifier's PRNG key replaced, ends elsewhere.
     # (The fresh state goes through the same checkpoint round trip, so the step does not recompile.)
-    fresh = save_restore(kind, tx.init(params), tmp_path / "fresh")
+    fresh = save_restore(kind, (params, tx.init(params)), tmp_path / "fresh")[1]
     feedback, reduce, densify = s_mid[0]  # replace the sparsifier's key (randomk draws from it)
     other_key = ((feedback._replace(inner=feedback.inner._replace(key=feedback.inner.key + 1)), reduce, densify),
                  *s_mid[1:])

@@ -171,8 +171,8 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     compression = dict(density=args.density, algorithm=args.algorithm, **fusing,
                        **({} if bits is None else dict(quantize_bits=bits)))
     exact = args.density is None
-    local = optax.chain(sparcml_jax.fuse_leaves(**fusing) if exact else sparcml_jax.error_feedback(
-        sparcml_jax.fuse_leaves(sparcml_jax.sparsify(density=args.density), **fusing)), sparcml_jax.densify())
+    local = optax.chain(sparcml_jax.fuse_leaves(None if exact else sparcml_jax.error_feedback(
+        sparcml_jax.sparsify(density=args.density)), **fusing), sparcml_jax.densify())
     sparse = sparcml_jax.allreduce_gradients(**compression)
     extra = len(jax.tree.leaves(sparse.init(initial)))
     carrying = f"dense step + {extra} scalar state {'leaf' if extra == 1 else 'leaves'}"

@@ -33,7 +33,15 @@ def _flat(tree, device=None):
     return np.concatenate([np.asarray(x if device is None else x[device]).ravel() for x in leaves])
 
 
-def _steps(p: int, tx: optax.GradientTransformation, steps: int):
+def _residual(state, options: dict):
+    """The residual per parameter leaf (SparCML's algorithms keep one vector per fused buffer)."""
+    residual = tree_get(state, "residual")
+    if options["algorithm"] in sj.GLOBAL_TOPK_ALGORITHMS:
+        return residual
+    return sj.unfuse_leaves(residual, _params(), min_size=options.get("min_size", 1024), fuse=options.get("fuse", True))
+
+
+def _steps(p: int, tx: optax.GradientTransformation, steps: int, options: dict):
     """(updates, residuals before, residuals after) of every step, stacked by device."""
     mesh = jax.make_mesh((p,), (AXIS,), devices=jax.devices()[:p])
     stacked = lambda t: jax.tree.map(lambda x: x[None], t)  # noqa: E731
@@ -42,9 +50,9 @@ def _steps(p: int, tx: optax.GradientTransformation, steps: int):
         state, out = tx.init(_params()), []
         for g in grads:
             g = jax.tree.map(lambda x: x[0], g)
-            before = tree_get(state, "residual")
+            before = _residual(state, options)
             updates, state = tx.update(g, state, _params())
-            out.append((stacked(updates), stacked(before), stacked(tree_get(state, "residual"))))
+            out.append((stacked(updates), stacked(before), stacked(_residual(state, options))))
         return out
 
     run = jax.jit(jax.shard_map(train, mesh=mesh, in_specs=(P(AXIS),) * steps, out_specs=P(AXIS)))
@@ -61,7 +69,7 @@ def _steps(p: int, tx: optax.GradientTransformation, steps: int):
                          ids=lambda o: o["algorithm"])
 def test_every_device_applies_the_update_the_books_say(options, p):
     tx = sj.allreduce_gradients(axis_name=AXIS, **options)
-    results, grads = _steps(p, tx, 3)
+    results, grads = _steps(p, tx, 3, options)
     for t, (updates, before, after) in enumerate(results):
         label = f"{options['algorithm']} P={p} step {t}"
         mine = [_flat(updates, d) for d in range(p)]
