@@ -79,7 +79,7 @@ from sparcml_jax.collectives.group import Group, check_group
 from sparcml_jax.collectives.validate import wire_bits
 from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.kernels._common import cond_varying
-from sparcml_jax.kernels.partition import from_dense, from_dense_counted
+from sparcml_jax.kernels.partition import from_dense, from_dense_counted, scatter_add
 from sparcml_jax import sparsifiers
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_stream, resize, with_indices
@@ -251,8 +251,8 @@ def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTr
         check_like_residual("error_feedback", leaves, treedef, residual, residual_def)
         accumulated = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
         sent, inner_state = sparsifier.update(jax.tree.unflatten(treedef, accumulated), state.inner, params)
-        new_residual = [r if is_stream(a) else a - s
-                        for a, r, s in zip(accumulated, residual, sent_values(sent, accumulated))]
+        new_residual = [r if is_stream(a) else not_sent(a, s)
+                        for a, r, s in zip(accumulated, residual, sent_leaves(sent))]
         return sent, ErrorFeedbackState(jax.tree.unflatten(residual_def, new_residual), inner_state)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -271,12 +271,21 @@ def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, 
                              "re-run init with the parameters you train")
 
 
-def sent_values(sent: Any, like: list) -> list:
-    """The dense values a sparsifier's output stands for, one per leaf of ``like``."""
+def sent_leaves(sent: Any) -> list:
+    """A sparsifier's output, one stream or dense array per leaf of its input."""
     if hasattr(sent, "unpack"):  # LeafGroups: fused buffers back to their leaves
         return sent.unpack(cast=False)
-    leaves = jax.tree.leaves(sent, is_leaf=is_stream)
-    return [s.to_dense().reshape(jnp.shape(a)) if is_stream(s) else s for s, a in zip(leaves, like)]
+    return jax.tree.leaves(sent, is_leaf=is_stream)
+
+
+def not_sent(accumulated: jax.Array, sent: Any) -> jax.Array:
+    """``accumulated - sent``: for a stream, its pairs scattered with their signs flipped into
+    ``accumulated`` in place (a selected entry becomes exactly 0), without densifying it."""
+    if not is_stream(sent):
+        return accumulated - sent
+    flat = jnp.ravel(accumulated)
+    negated = dataclasses.replace(sent, values=-sent.values)
+    return scatter_add(negated, flat).reshape(jnp.shape(accumulated))
 
 
 def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, comm: MPI.Comm | None = None,

@@ -1,7 +1,7 @@
 """The optax preset: data-parallel gradient sums through SparCML's sparse allreduce.
 
 :func:`allreduce_gradients` chains the stages of :mod:`sparcml_jax.stages`:
-``error_feedback(fuse_leaves(sparsify(...)))``, then ``reduce_streams(...)``, then ``densify()``.
+``fuse_leaves(error_feedback(sparsify(...)))``, then ``reduce_streams(...)``, then ``densify()``.
 :func:`fuse_leaves` groups the gradient's leaves (:func:`plan_leaves`, a pure function): small
 leaves are sent whole, the others are flattened into fused buffers (one, one per leaf, or
 DDP-style buckets), and leaves that already are streams are summed exactly on their own.
@@ -252,9 +252,11 @@ def unfuse_leaves(buffers: Sequence[jax.Array], params: Any, *, min_size: int = 
     """
     leaves, treedef = jax.tree.flatten(params)
     plan = plan_leaves(_leaf_sizes(leaves), [False] * len(leaves), min_size=min_size, fuse=fuse, buckets=buckets)
-    if len(buffers) != len(plan.groups):
-        raise ValueError(f"unfuse_leaves: {len(buffers)} buffers for the {len(plan.groups)} groups of these parameters "
-                         f"(min_size={min_size}, fuse={fuse}, buckets={buckets}); pass the transform's own")
+    want = [(sum(_leaf_sizes([leaves[i] for i in group])),) for group in plan.groups]
+    if [jnp.shape(x) for x in buffers] != want:
+        raise ValueError(f"unfuse_leaves: buffers of shapes {[jnp.shape(x) for x in buffers]} for groups of shapes "
+                         f"{want} (min_size={min_size}, fuse={fuse}, buckets={buckets}); pass the min_size, fuse "
+                         "and buckets of the transform that made them")
     out = [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in leaves]
     for group, flat in zip(plan.groups, buffers):
         for i, piece in zip(group, split_like(flat, [(jnp.shape(leaves[i]), VALUE_DTYPE) for i in group])):
@@ -320,10 +322,12 @@ def allreduce_gradients(
     """Sums (or averages) gradients across the ranks of ``comm`` with sparse, quantized messages.
 
     Put it first in an optax chain; every rank then applies the same update. It is
-    ``optax.chain(error_feedback(fuse_leaves(sparsify(...))), reduce_streams(...), densify())``
+    ``optax.chain(fuse_leaves(error_feedback(sparsify(...))), reduce_streams(...), densify())``
     (without :func:`~sparcml_jax.sparsify` and error feedback when neither ``density`` nor ``k``
     is given); ``optax.tree_utils.tree_get(state, "residual")`` and ``(state, "stats")`` find
-    the residual and the last :class:`GradientStats`.
+    the residual, one float32 vector per fused buffer (:func:`unfuse_leaves` cuts it into the
+    parameters' leaves), and the last :class:`GradientStats`. Given ``params``, ``update``
+    checks that the gradient has their tree and leaf shapes.
 
     Args:
       density: fraction of entries each rank sends per step, in (0, 1].

@@ -354,3 +354,14 @@ def test_state_that_keeps_every_count_and_key_continues(monkeypatch):
     again, _ = update(grads, got_state)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(update(grads, want_state)[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unfuse_leaves_names_the_plan_it_needs():
+    params = params_tree()
+    tx = allreduce_gradients(density=0.1, min_size=16)
+    residual = tree_get(tx.update(random_grads(np.random.default_rng(9), params), tx.init(params))[1], "residual")
+    per_leaf = sparcml_jax.unfuse_leaves(residual, params, min_size=16)
+    assert jax.tree.structure(per_leaf) == jax.tree.structure(params)
+    np.testing.assert_array_equal(np.asarray(per_leaf["head"][1]), np.zeros(7))  # small: sent whole, nothing held
+    with pytest.raises(ValueError, match="pass the min_size, fuse and buckets of the transform"):
+        sparcml_jax.unfuse_leaves(residual, params)  # the default min_size plans no group here

@@ -211,9 +211,17 @@ static int64_t compact(const float *x, int64_t n, uint32_t floor_key, int32_t *c
 
 /* The top k of m >= k candidates (index order, every key of x above theirs among them):
  * one histogram of the top key bits, two 8-bit radix levels, one emitting scan. hist holds
- * HI_TABLES * HI_BINS counters. */
+ * HI_TABLES * HI_BINS counters. Fewer than SMALL_N candidates (the sampled path at small k)
+ * take the small-n radix levels instead: clearing the pass-1 tables would cost more than
+ * counting them. */
 static int64_t select_from_candidates(const int32_t *ci, const float *cv, int64_t m, int64_t k, uint32_t *hist,
                                       int32_t *out_idx, float *out_val) {
+  if (m < SMALL_N) {
+    static const int digits[4] = {7, 8, 8, 8};
+    int64_t ties = k;
+    const uint32_t t = radix_refine(cv, m, 0, KEY_BITS, digits, 4, &ties);
+    return emit_candidates(ci, cv, m, t, ties, out_idx, out_val);
+  }
   static const int low_digits[2] = {8, 8};
   memset(hist, 0, (size_t)HI_TABLES * HI_BINS * sizeof(uint32_t));
   histogram_hi(cv, m, hist);
