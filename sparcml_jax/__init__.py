@@ -61,6 +61,7 @@ from sparcml_jax.stages import (
 )
 from sparcml_jax.transform import (
     AllreduceGradientsState,
+    FusedBuffers,
     LeafGroups,
     LeafPlan,
     allreduce_gradients,
@@ -79,6 +80,7 @@ __all__ = [
     "AllreduceStats",
     "CostModel",
     "ErrorFeedbackState",
+    "FusedBuffers",
     "GlobalTopkState",
     "GlobalTopkStats",
     "GradientStats",

@@ -109,13 +109,25 @@ class GradientStats(collections.namedtuple("GradientStats", ["values"])):
 
     __slots__ = ()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "GradientStats":
-        if len(args) + len(kwargs) == 1:  # the packed vector: unflattening, unpickling, Flax's msgpack
-            return super().__new__(cls, *args, **kwargs)
-        # Three numbers (density, bytes_sent, algorithm): a new record, or one pickled as three fields.
-        numbers = dict(zip(("density", "bytes_sent", "algorithm"), args), **kwargs)
+    def __new__(cls, *args: Any, **numbers: Any) -> "GradientStats":
+        if "values" in numbers or (len(args) == 1 and not numbers):  # the packed vector: unflattening
+            return super().__new__(cls, *args, **numbers)  # (whatever the leaf), unpickling, msgpack
+        # Three numbers: a new record, or one pickled when they were three fields.
+        numbers = dict(zip(("density", "bytes_sent", "algorithm"), args), **numbers)
+        if len(args) > 3 or sorted(numbers) != ["algorithm", "bytes_sent", "density"]:
+            raise TypeError(f"GradientStats takes density, bytes_sent and algorithm (or values=, the packed "
+                            f"vector), got {sorted(numbers)}")
         return super().__new__(cls, jnp.stack([jnp.asarray(numbers[name], jnp.float32)
                                                for name in ("density", "bytes_sent", "algorithm")], axis=-1))
+
+    def _replace(self, **changes: Any) -> "GradientStats":
+        if set(changes) == {"values"}:
+            return GradientStats(values=changes["values"])
+        numbers = dict(density=self.density, bytes_sent=self.bytes_sent, algorithm=self.algorithm)
+        unknown = set(changes) - set(numbers)
+        if unknown:
+            raise ValueError(f"GradientStats has no field {sorted(unknown)}; it has density, bytes_sent, algorithm")
+        return GradientStats(**{**numbers, **changes})
 
     @property
     def density(self) -> jax.Array:

@@ -133,17 +133,27 @@ class LeafGroups:
         return jax.tree.unflatten(self.treedef, out) if treedef else out
 
 
+class FusedBuffers(NamedTuple):
+    """What :func:`fuse_leaves`'s ``inner`` transformation sees and returns: one flat buffer (or
+    the stream a sparsifier made of it) per group of :func:`plan_leaves`, in the plan's order. An
+    inner :func:`~sparcml_jax.error_feedback` keeps its residual in this container, so that the
+    state says which layout it holds; :func:`unfuse_leaves` cuts it into the parameters' leaves.
+    """
+
+    buffers: tuple
+
+
 def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: int = 1024, fuse: bool = True,
                 buckets: int | None = None) -> optax.GradientTransformation:
     """Packs the gradient into :class:`LeafGroups` and applies ``inner`` to its fused buffers.
 
     Like ``optax.flatten(inner)``, for a plan of groups (:func:`plan_leaves`): ``inner`` sees
-    the tuple of flat buffers (:func:`fused_dtype`; at init: of the parameters) and typically sparsifies them,
-    so that top-k picks across the layers of a group; its state is in that layout (an inner
-    :func:`~sparcml_jax.error_feedback` keeps one residual vector per buffer, which
-    :func:`unfuse_leaves` cuts back into the parameters' leaves). Gradient leaves that are
-    streams leave their groups; the residual's segments of the other leaves then follow them,
-    and a stream leaf's segment is kept for when it comes back dense. Follow with
+    the flat buffers as :class:`FusedBuffers` (:func:`fused_dtype`; at init: of the parameters)
+    and typically sparsifies them, so that top-k picks across the layers of a group; its state
+    is in that layout (an inner :func:`~sparcml_jax.error_feedback` keeps one residual vector per
+    buffer, which :func:`unfuse_leaves` cuts back into the parameters' leaves). Gradient leaves
+    that are streams leave their groups; the residual's segments of the other leaves then follow
+    them, and a stream leaf's segment is kept for when it comes back dense. Follow with
     :func:`reduce_streams` and :func:`densify`.
 
     Example:
@@ -176,7 +186,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
                           plan, like, treedef)
 
     def init_fn(params):
-        return optax.EmptyState() if inner is None else inner.init(pack(params).fused)
+        return optax.EmptyState() if inner is None else inner.init(FusedBuffers(pack(params).fused))
 
     def update_fn(updates, state, params=None):
         del params
@@ -185,29 +195,36 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
             return groups, state
         leaves = jax.tree.leaves(updates, is_leaf=is_stream)
         sizes = _leaf_sizes(leaves)
-        at_init = plan_leaves(sizes, [False] * len(leaves), **planned)  # the plan inner.init saw
-        if not isinstance(state, ErrorFeedbackState):
-            fused, state = inner.update(groups.fused, state)
-            return dataclasses.replace(groups, fused=tuple(fused)), state
-        kept = state.residual
-        want = [(sum(sizes[i] for i in group),) for group in at_init.groups]
-        if not (isinstance(kept, tuple) and [jnp.shape(r) for r in kept] == want):
-            raise ValueError(f"fuse_leaves: the gradient's fused buffers have shapes {want}, but the residual that "
+        at_init, shapes = _dense_plan(leaves, planned)  # the plan inner.init saw
+        kept = state.residual if isinstance(state, ErrorFeedbackState) else None
+        if kept is not None and not (isinstance(kept, FusedBuffers) and
+                                     [jnp.shape(r) for r in kept.buffers] == shapes):
+            raise ValueError(f"fuse_leaves: the gradient's fused buffers have shapes {shapes}, but the residual that "
                              f"init made holds {[jnp.shape(r) for r in jax.tree.leaves(kept)]}; re-run init with "
                              "the parameters you train")
-        if at_init.groups == groups.plan.groups:
-            fused, state = inner.update(groups.fused, state)
-            return dataclasses.replace(groups, fused=tuple(fused)), state
-        state = state._replace(residual=_relaid(kept, at_init.groups, groups.plan.groups, sizes))
-        fused, state = inner.update(groups.fused, state)
-        state = state._replace(residual=_relaid(state.residual, groups.plan.groups, at_init.groups, sizes, into=kept))
-        return dataclasses.replace(groups, fused=tuple(fused)), state
+        moved = kept is not None and at_init.groups != groups.plan.groups
+        if moved:
+            state = state._replace(residual=FusedBuffers(_relaid(kept.buffers, at_init.groups, groups.plan.groups,
+                                                                 sizes)))
+        fused, state = inner.update(FusedBuffers(groups.fused), state)
+        if moved:
+            state = state._replace(residual=FusedBuffers(_relaid(state.residual.buffers, groups.plan.groups,
+                                                                 at_init.groups, sizes, into=kept.buffers)))
+        return dataclasses.replace(groups, fused=tuple(fused.buffers)), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _leaf_sizes(leaves: list) -> list[int]:
     return [x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves]
+
+
+def _dense_plan(leaves: list, planned: dict) -> tuple[LeafPlan, list[tuple[int]]]:
+    """The plan of these leaves were they all dense, as :func:`fuse_leaves`'s init sees the
+    parameters, and the shape of each group's buffer."""
+    sizes = _leaf_sizes(leaves)
+    plan = plan_leaves(sizes, [False] * len(leaves), **planned)
+    return plan, [(sum(sizes[i] for i in group),) for group in plan.groups]
 
 
 def _relaid(buffers: tuple, groups: tuple, to_groups: tuple, sizes: list[int], into: tuple | None = None) -> tuple:
@@ -231,12 +248,13 @@ def _relaid(buffers: tuple, groups: tuple, to_groups: tuple, sizes: list[int], i
     return tuple(out)
 
 
-def unfuse_leaves(buffers: Sequence[jax.Array], params: Any, *, min_size: int = 1024, fuse: bool = True,
-                  buckets: int | None = None) -> Any:
+def unfuse_leaves(buffers: FusedBuffers | Sequence[jax.Array], params: Any, *, min_size: int = 1024,
+                  fuse: bool = True, buckets: int | None = None) -> Any:
     """Flat buffers in :func:`fuse_leaves`'s layout (one per group of :func:`plan_leaves` over the
     parameters' leaves, with the same ``min_size``, ``fuse`` and ``buckets``) cut back into a
     pytree like ``params``: a leaf in no group (below ``min_size``) is zeros. It shows the
-    residual of :func:`allreduce_gradients` per parameter.
+    residual of :func:`allreduce_gradients` per parameter (SparCML's algorithms; a global top-k
+    algorithm keeps its residual per parameter already).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -245,18 +263,21 @@ def unfuse_leaves(buffers: Sequence[jax.Array], params: Any, *, min_size: int = 
       >>> tx = sparcml_jax.allreduce_gradients(k=1, min_size=3)
       >>> _, state = tx.update({"b": jnp.ones(2), "w": jnp.array([[1.0, -4.0], [2.0, 0.5]])}, tx.init(params))
       >>> residual = optax.tree_utils.tree_get(state, "residual")
-      >>> [r.tolist() for r in residual]  # one vector per fused buffer: here "w"
+      >>> [r.tolist() for r in residual.buffers]  # one vector per fused buffer: here "w"
       [[1.0, 0.0, 2.0, 0.5]]
       >>> sparcml_jax.unfuse_leaves(residual, params, min_size=3)["w"].tolist()
       [[1.0, 0.0], [2.0, 0.5]]
     """
+    if isinstance(buffers, dict) or not isinstance(buffers, (FusedBuffers, tuple, list)):
+        raise TypeError(f"unfuse_leaves takes FusedBuffers (or a sequence of flat buffers), got "
+                        f"{type(buffers).__name__}: a global top-k algorithm's residual is per parameter already")
+    buffers = buffers.buffers if isinstance(buffers, FusedBuffers) else tuple(buffers)
     leaves, treedef = jax.tree.flatten(params)
-    plan = plan_leaves(_leaf_sizes(leaves), [False] * len(leaves), min_size=min_size, fuse=fuse, buckets=buckets)
-    want = [(sum(_leaf_sizes([leaves[i] for i in group])),) for group in plan.groups]
-    if [jnp.shape(x) for x in buffers] != want:
+    planned = dict(min_size=min_size, fuse=fuse, buckets=buckets)
+    plan, shapes = _dense_plan(leaves, planned)
+    if [jnp.shape(x) for x in buffers] != shapes:
         raise ValueError(f"unfuse_leaves: buffers of shapes {[jnp.shape(x) for x in buffers]} for groups of shapes "
-                         f"{want} (min_size={min_size}, fuse={fuse}, buckets={buckets}); pass the min_size, fuse "
-                         "and buckets of the transform that made them")
+                         f"{shapes} ({planned}); pass the min_size, fuse and buckets of the transform that made them")
     out = [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in leaves]
     for group, flat in zip(plan.groups, buffers):
         for i, piece in zip(group, split_like(flat, [(jnp.shape(leaves[i]), VALUE_DTYPE) for i in group])):
@@ -264,11 +285,11 @@ def unfuse_leaves(buffers: Sequence[jax.Array], params: Any, *, min_size: int = 
     return jax.tree.unflatten(treedef, out)
 
 
-def _fused_residual(residual: Any, *, min_size: int = 1024, fuse: bool = True, buckets: int | None = None) -> tuple:
+def _fused_residual(residual: Any, planned: dict) -> FusedBuffers:
     """A residual per parameter leaf in :func:`fuse_leaves`'s layout (the inverse of :func:`unfuse_leaves`)."""
     leaves = jax.tree.leaves(residual)
-    plan = plan_leaves(_leaf_sizes(leaves), [False] * len(leaves), min_size=min_size, fuse=fuse, buckets=buckets)
-    return tuple(stages.join_flat([leaves[i] for i in group], VALUE_DTYPE) for group in plan.groups)
+    plan, _ = _dense_plan(leaves, planned)
+    return FusedBuffers(tuple(stages.join_flat([leaves[i] for i in group], VALUE_DTYPE) for group in plan.groups))
 
 
 def fused_dtype(leaves: list) -> Any:
@@ -325,9 +346,10 @@ def allreduce_gradients(
     ``optax.chain(fuse_leaves(error_feedback(sparsify(...))), reduce_streams(...), densify())``
     (without :func:`~sparcml_jax.sparsify` and error feedback when neither ``density`` nor ``k``
     is given); ``optax.tree_utils.tree_get(state, "residual")`` and ``(state, "stats")`` find
-    the residual, one float32 vector per fused buffer (:func:`unfuse_leaves` cuts it into the
-    parameters' leaves), and the last :class:`GradientStats`. Given ``params``, ``update``
-    checks that the gradient has their tree and leaf shapes.
+    the residual, a :class:`FusedBuffers` of one float32 vector per fused buffer
+    (:func:`unfuse_leaves` cuts it into the parameters' leaves; a global top-k algorithm keeps
+    it per leaf), and the last :class:`GradientStats`. Given ``params``, ``update`` checks that
+    the gradient has their leaves and shapes.
 
     Args:
       density: fraction of entries each rank sends per step, in (0, 1].
@@ -487,24 +509,21 @@ def allreduce_gradients(
         if isinstance(state, AllreduceGradientsState):
             state = _from_single_state(state, with_feedback, exact, **layout)
         first = state[0]
-        if with_feedback and isinstance(first, ErrorFeedbackState) and _per_leaf(first.residual, updates, planned):
-            state = (first._replace(residual=_fused_residual(first.residual, **planned)), *state[1:])
+        if with_feedback and isinstance(first, ErrorFeedbackState) and _per_leaf(first.residual, updates):
+            state = (first._replace(residual=_fused_residual(first.residual, planned)), *state[1:])
         return state
 
     return _with_param_checks(chained, from_older)
 
 
-def _per_leaf(residual: Any, updates: Any, planned: dict) -> bool:
+def _per_leaf(residual: Any, updates: Any) -> bool:
     """Whether ``residual`` holds one array per gradient leaf, as states written before error
-    feedback moved onto the fused buffers do, rather than one vector per fused buffer."""
-    leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
-    sizes = _leaf_sizes(leaves)
-    plan = plan_leaves(sizes, [False] * len(leaves), **planned)
-    if isinstance(residual, tuple) and [jnp.shape(r) for r in residual] == [
-            (sum(sizes[i] for i in group),) for group in plan.groups]:
+    feedback moved onto the fused buffers do (:class:`FusedBuffers` marks the current layout)."""
+    if isinstance(residual, FusedBuffers):
         return False
+    leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
     kept, kept_def = jax.tree.flatten(residual)
-    return kept_def == treedef and [np.size(r) for r in kept] == sizes
+    return kept_def == treedef and [np.size(r) for r in kept] == _leaf_sizes(leaves)
 
 
 def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTransformation):
@@ -601,12 +620,13 @@ def _static(value: Any, name: str) -> Any:
 
 
 def check_like_params(updates: Any, params: Any) -> None:
-    """The gradient has the parameters' tree, and each leaf their size (a stream leaf: its ``size``)."""
-    leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
-    like, like_def = jax.tree.flatten(params)
-    if treedef != like_def:
-        raise ValueError(f"allreduce_gradients: the gradient pytree differs from the parameters' (parameters: "
-                         f"{like_def}, gradient: {treedef}); pass the gradient of the parameters you train")
+    """The gradient has the parameters' leaves, in order, each of their shape (a stream leaf:
+    their size); the containers may differ (a dict for a FrozenDict, a list for a tuple)."""
+    leaves = jax.tree.leaves(updates, is_leaf=is_stream)
+    like = jax.tree.leaves(params)
+    if len(leaves) != len(like):
+        raise ValueError(f"allreduce_gradients: the gradient has {len(leaves)} leaves and the parameters "
+                         f"{len(like)}; pass the gradient of the parameters you train")
     for i, (leaf, p) in enumerate(zip(leaves, like)):
         if (leaf.size if is_stream(leaf) else jnp.shape(leaf)) != (np.size(p) if is_stream(leaf) else jnp.shape(p)):
             shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"

@@ -45,7 +45,7 @@ def test_error_feedback_loses_nothing(sparsifier, fuse, buckets):
         total_sent = jax.tree.map(jnp.add, total_sent, sent)
     residual = tree_get(state, "residual")
     large = [p for p in jax.tree.leaves(params) if p.size >= 16]
-    assert len(residual) == (1 if fuse and buckets is None else buckets or len(large))  # one vector per fused buffer
+    assert len(residual.buffers) == (1 if fuse and buckets is None else buckets or len(large))  # one per fused buffer
     accounted = jax.tree.map(jnp.add, total_sent, sparcml_jax.unfuse_leaves(residual, params, min_size=16, fuse=fuse,
                                                                             buckets=buckets))
     for got, want in zip(jax.tree.leaves(accounted), jax.tree.leaves(total_grads)):
@@ -281,8 +281,8 @@ def test_mismatched_pytree_is_rejected():
     tx = allreduce_gradients(density=0.1, min_size=0)
     params = {"w": jnp.zeros(3)}
     state = tx.init(params)
-    with pytest.raises(ValueError, match="differs from the parameters'"):
-        tx.update({"v": jnp.zeros(3)}, state, params)
+    with pytest.raises(ValueError, match="the gradient has 2 leaves and the parameters 1"):
+        tx.update({"v": jnp.zeros(3), "w": jnp.zeros(3)}, state, params)
     with pytest.raises(ValueError, match=r"gradient leaf 0 has shape \(4,\) but its parameter has shape \(3,\)"):
         tx.update({"w": jnp.zeros(4)}, state, params)
     # Without the parameters, the fused buffers' sizes are checked against the residual's.
@@ -356,6 +356,25 @@ def test_state_that_keeps_every_count_and_key_continues(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("fuse,buckets", [(False, None), (True, 2)])
+def test_state_with_a_residual_per_leaf_continues_whatever_the_plan(fuse, buckets):
+    """Parameters that are a tuple of equal vectors: a residual per leaf and one per fused buffer
+    (here: per bucket, in reverse order) have the same shapes; the layout is told by its type."""
+    params = (jnp.zeros(2048), jnp.zeros(2048))
+    tx = allreduce_gradients(density=0.01, fuse=fuse, buckets=buckets)
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(11)
+    _, state = update(random_grads(rng, params), tx.init(params))
+    grads = random_grads(rng, params)
+    feedback, *rest = state
+    per_leaf = sparcml_jax.unfuse_leaves(feedback.residual, params, fuse=fuse, buckets=buckets)
+    assert not np.array_equal(np.asarray(per_leaf[0]), np.asarray(per_leaf[1]))
+    older = (feedback._replace(residual=per_leaf), *rest)
+    (want, want_state), (got, got_state) = update(grads, state), update(grads, older)
+    for a, b in zip(jax.tree.leaves((want, want_state)), jax.tree.leaves((got, got_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_unfuse_leaves_names_the_plan_it_needs():
     params = params_tree()
     tx = allreduce_gradients(density=0.1, min_size=16)
@@ -365,3 +384,20 @@ def test_unfuse_leaves_names_the_plan_it_needs():
     np.testing.assert_array_equal(np.asarray(per_leaf["head"][1]), np.zeros(7))  # small: sent whole, nothing held
     with pytest.raises(ValueError, match="pass the min_size, fuse and buckets of the transform"):
         sparcml_jax.unfuse_leaves(residual, params)  # the default min_size plans no group here
+    with pytest.raises(TypeError, match="global top-k algorithm's residual is per parameter already"):
+        sparcml_jax.unfuse_leaves(params, params)
+
+
+def test_gradient_stats_is_one_vector_read_by_name():
+    stats = sparcml_jax.GradientStats(0.25, bytes_sent=1024.0, algorithm=2)
+    assert len(jax.tree.leaves(stats)) == 1 and stats.values.dtype == jnp.float32
+    assert (float(stats.density), float(stats.bytes_sent), int(stats.algorithm)) == (0.25, 1024.0, 2)
+    assert stats.algorithm.dtype == jnp.int32
+    changed = stats._replace(algorithm=-1)
+    assert int(changed.algorithm) == -1 and float(changed.density) == 0.25
+    stacked = jax.vmap(lambda d: sparcml_jax.GradientStats(d, d, 3))(jnp.arange(4.0))
+    assert stacked.density.tolist() == [0.0, 1.0, 2.0, 3.0] and stacked.algorithm.tolist() == [3] * 4
+    with pytest.raises(TypeError, match=r"takes density, bytes_sent and algorithm .* got \['bytes_sent', 'density'\]"):
+        sparcml_jax.GradientStats(0.5, 1.0)
+    with pytest.raises(ValueError, match="has no field"):
+        stats._replace(nnz=3)
