@@ -210,7 +210,8 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         if moved:
             state = state._replace(residual=FusedBuffers(_relaid(state.residual.buffers, groups.plan.groups,
                                                                  at_init.groups, sizes, into=kept.buffers)))
-        return dataclasses.replace(groups, fused=tuple(fused.buffers)), state
+        fused = fused.buffers if isinstance(fused, FusedBuffers) else fused
+        return dataclasses.replace(groups, fused=tuple(fused)), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 

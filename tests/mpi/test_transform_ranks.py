@@ -161,8 +161,8 @@ def test_update_is_the_sum_of_what_ranks_took_from_their_residuals(buckets):
         for t in range(10):
             grads = _grads(100 + t)
             out, new_state = update(grads, state)
-            before, after = (sparcml_jax.unfuse_leaves(optax.tree_utils.tree_get(s, "residual"), _params(), min_size=100,
-                                                       buckets=buckets) for s in (state, new_state))
+            before, after = (sparcml_jax.unfuse_leaves(optax.tree_utils.tree_get(s, "residual"), _params(),
+                                                       min_size=100, buckets=buckets) for s in (state, new_state))
             taken = jax.tree.map(lambda g, r0, r1: np.asarray(g + r0 - r1), grads, before, after)
             for i, (u, mine) in enumerate(zip(jax.tree.leaves(out), jax.tree.leaves(taken))):
                 if not np.array_equal(np.asarray(u), np.sum(COMM.allgather(mine), axis=0)):
