@@ -275,12 +275,16 @@ def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, 
     if treedef != residual_def:
         raise ValueError(f"{stage}: the gradient pytree differs from the one given to init "
                          f"(init: {residual_def}, update: {treedef}); re-run init with the parameters you train")
-    for i, (leaf, r) in enumerate(zip(leaves, residual)):
-        if (leaf.size if is_stream(leaf) else jnp.size(leaf)) != r.size or (
-                not is_stream(leaf) and jnp.shape(leaf) != r.shape):
+    check_leaf_shapes(stage, leaves, residual, "init saw", "re-run init with the parameters you train")
+
+
+def check_leaf_shapes(stage: str, leaves: list, like: list, saw: str, fix: str) -> None:
+    """Each gradient leaf has the shape of its counterpart in ``like`` (a stream leaf: its size)."""
+    for i, (leaf, other) in enumerate(zip(leaves, like)):
+        if (leaf.size if is_stream(leaf) else jnp.shape(leaf)) != (
+                math.prod(jnp.shape(other)) if is_stream(leaf) else jnp.shape(other)):
             shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
-            raise ValueError(f"{stage}: gradient leaf {i} has {shape} but init saw {r.shape}; "
-                             "re-run init with the parameters you train")
+            raise ValueError(f"{stage}: gradient leaf {i} has {shape} but {saw} {jnp.shape(other)}; {fix}")
 
 
 def sent_leaves(sent: Any) -> list:
@@ -378,7 +382,7 @@ def reduce_streams(*, algorithm: str = "auto", transport: str | None = None, com
                       quantize_scale=quantize_scale, cost_model=cost_model)
 
     def init_fn(params):
-        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        stats = GradientStats(0, 0, SENT_DENSE)
         errors = ()
         if quantize_feedback:
             if not hasattr(params, "parts"):
@@ -596,7 +600,7 @@ def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | Non
     """Nonzeros and bytes of every buffer (of these sizes); the algorithm of the largest fused
     buffer (else stream)."""
     if not sizes:
-        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        return GradientStats(0, 0, SENT_DENSE)
     nnz = sum(stats.result_nnz.astype(jnp.float32) for _, stats, _ in results)
     sent = sum(stats.bytes_sent for _, stats, _ in results)
     candidates = range(fused) if fused else range(len(sizes))
@@ -604,7 +608,7 @@ def _stats(sizes: list[int], results: list, fused: int, warming: jax.Array | Non
     code = results[largest][1].algorithm
     if warming is not None:
         code = jnp.where(warming, SENT_DENSE, code)
-    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), code)
+    return GradientStats(nnz / max(sum(sizes), 1), sent, code)
 
 
 class GlobalTopkState(NamedTuple):
@@ -712,7 +716,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
             fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
             nprocs = Group.of(comm, axis_name).size
             carried = tuple(init_oktopk_state(nprocs=nprocs) for _ in fused)
-        stats = GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        stats = GradientStats(0, 0, SENT_DENSE)
         return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
 
     def update_fn(updates, state, params=None):
@@ -808,11 +812,11 @@ def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | No
 def _gathered_stats(counts: list[tuple], sizes: list[int], fused: int) -> GradientStats:
     """Nonzeros and bytes of every buffer; the algorithm of the largest fused buffer (else stream)."""
     if not counts:
-        return GradientStats(jnp.float32(0), jnp.float32(0), jnp.int32(SENT_DENSE))
+        return GradientStats(0, 0, SENT_DENSE)
     nnz = sum(c[0] for c in counts)
     sent = sum(c[1] for c in counts)
     largest = max(range(fused) if fused else range(len(counts)), key=lambda i: sizes[i])
-    return GradientStats(nnz / max(sum(sizes), 1), jnp.asarray(sent, jnp.float32), counts[largest][2])
+    return GradientStats(nnz / max(sum(sizes), 1), sent, counts[largest][2])
 
 
 def densify() -> optax.GradientTransformation:

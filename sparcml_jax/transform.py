@@ -195,7 +195,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
             return groups, state
         leaves = jax.tree.leaves(updates, is_leaf=is_stream)
         sizes = _leaf_sizes(leaves)
-        at_init, shapes = _dense_plan(leaves, planned)  # the plan inner.init saw
+        at_init, shapes = _dense_plan(sizes, planned)  # the plan inner.init saw
         kept = state.residual if isinstance(state, ErrorFeedbackState) else None
         if kept is not None and not (isinstance(kept, FusedBuffers) and
                                      [jnp.shape(r) for r in kept.buffers] == shapes):
@@ -220,11 +220,10 @@ def _leaf_sizes(leaves: list) -> list[int]:
     return [x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves]
 
 
-def _dense_plan(leaves: list, planned: dict) -> tuple[LeafPlan, list[tuple[int]]]:
-    """The plan of these leaves were they all dense, as :func:`fuse_leaves`'s init sees the
-    parameters, and the shape of each group's buffer."""
-    sizes = _leaf_sizes(leaves)
-    plan = plan_leaves(sizes, [False] * len(leaves), **planned)
+def _dense_plan(sizes: list[int], planned: dict) -> tuple[LeafPlan, list[tuple[int]]]:
+    """The plan of leaves of these sizes were they all dense, as :func:`fuse_leaves`'s init sees
+    the parameters, and the shape of each group's buffer."""
+    plan = plan_leaves(sizes, [False] * len(sizes), **planned)
     return plan, [(sum(sizes[i] for i in group),) for group in plan.groups]
 
 
@@ -269,13 +268,13 @@ def unfuse_leaves(buffers: FusedBuffers | Sequence[jax.Array], params: Any, *, m
       >>> sparcml_jax.unfuse_leaves(residual, params, min_size=3)["w"].tolist()
       [[1.0, 0.0], [2.0, 0.5]]
     """
-    if isinstance(buffers, dict) or not isinstance(buffers, (FusedBuffers, tuple, list)):
+    if not isinstance(buffers, (FusedBuffers, tuple, list)):
         raise TypeError(f"unfuse_leaves takes FusedBuffers (or a sequence of flat buffers), got "
                         f"{type(buffers).__name__}: a global top-k algorithm's residual is per parameter already")
     buffers = buffers.buffers if isinstance(buffers, FusedBuffers) else tuple(buffers)
     leaves, treedef = jax.tree.flatten(params)
     planned = dict(min_size=min_size, fuse=fuse, buckets=buckets)
-    plan, shapes = _dense_plan(leaves, planned)
+    plan, shapes = _dense_plan(_leaf_sizes(leaves), planned)
     if [jnp.shape(x) for x in buffers] != shapes:
         raise ValueError(f"unfuse_leaves: buffers of shapes {[jnp.shape(x) for x in buffers]} for groups of shapes "
                          f"{shapes} ({planned}); pass the min_size, fuse and buckets of the transform that made them")
@@ -289,7 +288,7 @@ def unfuse_leaves(buffers: FusedBuffers | Sequence[jax.Array], params: Any, *, m
 def _fused_residual(residual: Any, planned: dict) -> FusedBuffers:
     """A residual per parameter leaf in :func:`fuse_leaves`'s layout (the inverse of :func:`unfuse_leaves`)."""
     leaves = jax.tree.leaves(residual)
-    plan, _ = _dense_plan(leaves, planned)
+    plan, _ = _dense_plan(_leaf_sizes(leaves), planned)
     return FusedBuffers(tuple(stages.join_flat([leaves[i] for i in group], VALUE_DTYPE) for group in plan.groups))
 
 
@@ -628,11 +627,8 @@ def check_like_params(updates: Any, params: Any) -> None:
     if len(leaves) != len(like):
         raise ValueError(f"allreduce_gradients: the gradient has {len(leaves)} leaves and the parameters "
                          f"{len(like)}; pass the gradient of the parameters you train")
-    for i, (leaf, p) in enumerate(zip(leaves, like)):
-        if (leaf.size if is_stream(leaf) else jnp.shape(leaf)) != (np.size(p) if is_stream(leaf) else jnp.shape(p)):
-            shape = f"a SparseStream of size {leaf.size}" if is_stream(leaf) else f"shape {jnp.shape(leaf)}"
-            raise ValueError(f"allreduce_gradients: gradient leaf {i} has {shape} but its parameter has shape "
-                             f"{jnp.shape(p)}; pass the gradient of the parameters you train")
+    stages.check_leaf_shapes("allreduce_gradients", leaves, like, "its parameter has shape",
+                             "pass the gradient of the parameters you train")
 
 
 def check_float_leaf(leaf: Any, name: str) -> None:
