@@ -270,6 +270,43 @@ def error_feedback(sparsifier: optax.GradientTransformation) -> optax.GradientTr
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+class FusedBuffers(NamedTuple):
+    """What :func:`~sparcml_jax.fuse_leaves`'s ``inner`` transformation sees and returns: one flat
+    buffer (or the stream a sparsifier made of it) per group of :func:`~sparcml_jax.plan_leaves`,
+    in the plan's order. The residuals of an inner :func:`error_feedback` and of
+    :func:`global_topk_reduce` are kept in this container, so that the state says which layout it
+    holds; :func:`~sparcml_jax.unfuse_leaves` cuts it into the parameters' leaves.
+    """
+
+    buffers: tuple
+
+
+def leaf_sizes(leaves: list) -> list[int]:
+    """Entries of each leaf (a stream's: its size)."""
+    return [x.size if is_stream(x) else math.prod(jnp.shape(x)) for x in leaves]
+
+
+def relaid(buffers: tuple, groups: tuple, to_groups: tuple, sizes: list[int], into: tuple | None = None) -> tuple:
+    """Buffers laid out by ``groups`` (leaf indices, each leaf ``sizes[i]`` entries in a row), laid
+    out by ``to_groups``; a leaf in none of ``groups`` keeps its segment of ``into`` (else zeros)."""
+    where = {}
+    for b, group in enumerate(groups):
+        offset = 0
+        for i in group:
+            where[i] = (b, offset)
+            offset += sizes[i]
+    out = []
+    for t, group in enumerate(to_groups):
+        laid, offset = into[t] if into is not None else jnp.zeros((sum(sizes[i] for i in group),), VALUE_DTYPE), 0
+        for i in group:
+            if i in where:
+                b, start = where[i]
+                laid = jax.lax.dynamic_update_slice(laid, buffers[b][start:start + sizes[i]], (offset,))
+            offset += sizes[i]
+        out.append(laid)
+    return tuple(out)
+
+
 def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, residual_def: Any) -> None:
     """The gradient has the pytree and leaf shapes of the residual that init made."""
     if treedef != residual_def:
@@ -615,8 +652,8 @@ class GlobalTopkState(NamedTuple):
     """:func:`global_topk_reduce`'s state.
 
     Attributes:
-      residual: float32, like the updates: what this rank holds back (``None`` without error
-        feedback).
+      residual: what this rank holds back, a :class:`FusedBuffers` of one float32 vector per
+        buffer that the packer makes of the parameters (``None`` without error feedback).
       inner: the packer's state.
       count: int32 steps taken (for warm-up).
       stats: the last update's :class:`GradientStats`.
@@ -639,8 +676,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
                        tau: int = 128, tau_prime: int = 64) -> optax.GradientTransformation:
     r"""Error feedback around a global top-k allreduce (SparDL, Ok-Topk, gTop-k), in one stage.
 
-    Rank :math:`r` forms :math:`a_r = g_r + e_r` (gradient plus residual), packs it with
-    ``inner`` (typically :func:`~sparcml_jax.fuse_leaves`) and sums every fused buffer with
+    Rank :math:`r` packs its gradient with ``inner`` (typically :func:`~sparcml_jax.fuse_leaves`),
+    forms :math:`a_r = g_r + e_r` on every fused buffer (gradient plus residual) and sums it with
     :func:`sparcml_jax.global_topk_allreduce`, which selects about ``k`` entries of
     :math:`\sum_r a_r` inside the collective and hands back as :math:`e_r'` what rank :math:`r`
     gave and the result does not hold:
@@ -658,7 +695,12 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
 
     The stats count the result's nonzeros and the bytes sent; their ``algorithm`` indexes
     ``sparcml_jax.ALGORITHMS + sparcml_jax.GLOBAL_TOPK_ALGORITHMS``. What the collective returned
-    to this rank is the residual itself.
+    to this rank is the residual itself, one vector per fused buffer (:class:`FusedBuffers`, in
+    the layout of the parameters' buffers: :func:`~sparcml_jax.unfuse_leaves` cuts it into their
+    leaves); small leaves and stream leaves are sent whole and hold nothing back. Gradient leaves
+    that are streams leave their buffers, as in :func:`~sparcml_jax.fuse_leaves`, and their
+    segments of the residual wait. A residual kept per parameter leaf (an older state) is packed
+    into this layout on the next update.
 
     Args:
       inner: packs the accumulated gradient: :func:`~sparcml_jax.fuse_leaves`, or ``None``
@@ -686,7 +728,8 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
       >>> params = {"w": jnp.zeros(4)}
       >>> state = tx.init(params)
       >>> sent, state = tx.update({"w": jnp.array([1.0, -5.0, 2.0, 0.5])}, state, params)
-      >>> sent["w"].tolist(), optax.tree_utils.tree_get(state, "residual")["w"].tolist()
+      >>> residual = optax.tree_utils.tree_get(state, "residual")
+      >>> sent["w"].tolist(), sparcml_jax.unfuse_leaves(residual, params, min_size=0)["w"].tolist()
       ([0.0, -5.0, 2.0, 0.0], [1.0, 0.0, 0.0, 0.5])
     """
     if algorithm not in GLOBAL_TOPK_ALGORITHMS:
@@ -709,27 +752,57 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         return [leaf_budget(x.shape[0], total, density, k) for x in fused]
 
     def init_fn(params):
-        residual = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), VALUE_DTYPE), params) if error_feedback else None
         inner_state = optax.EmptyState() if inner is None else inner.init(params)
+        fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
+        residual = FusedBuffers(tuple(jnp.zeros(x.shape, VALUE_DTYPE) for x in fused)) if error_feedback else None
         carried = ()
         if algorithm == "oktopk":
-            fused = jax.eval_shape(lambda p: _buffers(pack(p, inner_state)[0])[1], params)
             nprocs = Group.of(comm, axis_name).size
             carried = tuple(init_oktopk_state(nprocs=nprocs) for _ in fused)
         stats = GradientStats(0, 0, SENT_DENSE)
         return GlobalTopkState(residual, inner_state, jnp.zeros((), jnp.int32), stats, carried)
 
+    def layouts(updates, packed, inner_state) -> tuple[tuple, tuple, list[int]]:
+        """The leaves of each fused buffer as init laid them out (every leaf dense) and as
+        ``packed`` lays them out, and the leaves' sizes."""
+        leaves = jax.tree.leaves(updates, is_leaf=is_stream)
+        sizes = leaf_sizes(leaves)
+        now = _layout(packed, leaves)
+        if not any(is_stream(x) for x in leaves):
+            return now, now, sizes
+        treedef = jax.tree.structure(updates, is_leaf=is_stream)
+        dense = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct((x.size,), VALUE_DTYPE) if is_stream(x) else
+                                             jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves])
+        at_init = jax.eval_shape(lambda t: pack(t, inner_state)[0], dense)
+        return _layout(at_init, jax.tree.leaves(dense)), now, sizes
+
+    def kept_residual(residual, updates, inner_state) -> FusedBuffers:
+        """The state's residual as init laid it out, checked; one kept per leaf (an older state)
+        is packed as the gradient is."""
+        if not isinstance(residual, FusedBuffers):
+            leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
+            kept, kept_def = jax.tree.flatten(residual)
+            check_like_residual("global_topk_reduce", leaves, treedef, kept, kept_def)
+            residual = FusedBuffers(tuple(x.astype(VALUE_DTYPE) for x in _buffers(pack(residual, inner_state)[0])[1]))
+        return residual
+
     def update_fn(updates, state, params=None):
         group = Group.of(comm, axis_name)
         nprocs = group.size
         on_group = dict(collective_options, transport=group.transport(transport))
-        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
-        if error_feedback:
-            residual, residual_def = jax.tree.flatten(state.residual)
-            check_like_residual("global_topk_reduce", leaves, treedef, residual, residual_def)
-            leaves = [g if is_stream(g) else jnp.asarray(g, VALUE_DTYPE) + r for g, r in zip(leaves, residual)]
-        packed, inner_state = pack(jax.tree.unflatten(treedef, leaves), state.inner, params)
+        treedef = jax.tree.structure(updates, is_leaf=is_stream)
+        packed, inner_state = pack(updates, state.inner, params)
         dense, fused, given = _buffers(packed)
+        if error_feedback:
+            kept = kept_residual(state.residual, updates, state.inner)
+            at_init, now, sizes = layouts(updates, packed, state.inner)
+            shapes = [(sum(sizes[i] for i in group),) for group in at_init]
+            if [jnp.shape(r) for r in kept.buffers] != shapes:
+                raise ValueError(f"global_topk_reduce: the gradient's fused buffers have shapes {shapes}, but the "
+                                 f"residual that init made holds {[jnp.shape(r) for r in kept.buffers]}; re-run "
+                                 "init with the parameters you train")
+            residual = kept.buffers if now == at_init else relaid(kept.buffers, at_init, now, sizes)
+            fused = [x.astype(VALUE_DTYPE) + r for x, r in zip(fused, residual)]
         warming = warming_up(state.count, warmup_steps)
         summed = [_global_topk_sum(x.astype(VALUE_DTYPE), kb, carried, warming, group, on_group, code)
                   for x, kb, carried in zip(fused, budgets(fused), state.oktopk or [None] * len(fused))]
@@ -746,15 +819,20 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         stats = _gathered_stats(counts, [x.shape[0] for x in fused] + [s.size for s in given], len(fused))
         new_residual = None
         if error_feedback:
-            kept = _unpacked(packed, [jnp.zeros(jnp.shape(x), VALUE_DTYPE) for x in dense],
-                             [r for _, r, *_ in summed], given, treedef)
-            new_residual = jax.tree.unflatten(
-                residual_def, [r if is_stream(a) else new for a, r, new in zip(leaves, residual, kept)])
+            held = tuple(r for _, r, *_ in summed)
+            new_residual = FusedBuffers(held if now == at_init else relaid(held, now, at_init, sizes, into=kept.buffers))
         carried = tuple(c for _, _, c, *_ in summed) if state.oktopk else ()
         new_state = GlobalTopkState(new_residual, inner_state, state.count + 1, stats, carried)
-        return _unpacked(packed, reduced_dense, out_fused, out_given, treedef, tree=True), new_state
+        return _unpacked(packed, reduced_dense, out_fused, out_given, treedef), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _layout(packed: Any, leaves: list) -> tuple[tuple[int, ...], ...]:
+    """The leaves (by flattening index) of each buffer of ``packed`` (:func:`_buffers`)."""
+    if hasattr(packed, "plan"):
+        return packed.plan.groups
+    return tuple((i,) for i, x in enumerate(leaves) if not is_stream(x))
 
 
 def _buffers(packed: Any) -> tuple[list, list, list]:
@@ -765,18 +843,13 @@ def _buffers(packed: Any) -> tuple[list, list, list]:
     return [], [jnp.ravel(x) for x in leaves if not is_stream(x)], [x for x in leaves if is_stream(x)]
 
 
-def _unpacked(packed: Any, dense: list, fused: list, given: list, treedef: Any, tree: bool = False) -> Any:
-    """``packed`` with its parts replaced: a pytree of the updates' structure (``tree``), or
-    its leaves with every fused buffer cut back into the leaves it came from."""
+def _unpacked(packed: Any, dense: list, fused: list, given: list, treedef: Any) -> Any:
+    """``packed`` with its parts replaced, as a pytree of the updates' structure."""
     if hasattr(packed, "parts"):
-        rebuilt = packed.replace_parts(dense, fused, given)
-        return rebuilt if tree else rebuilt.unpack(cast=False)
+        return packed.replace_parts(dense, fused, given)
     leaves = jax.tree.leaves(packed, is_leaf=is_stream)
     fused, given = iter(fused), iter(given)
-    out = [next(given) if is_stream(x) else next(fused) for x in leaves]
-    if tree:
-        return jax.tree.unflatten(treedef, out)
-    return [x if is_stream(x) else x.reshape(jnp.shape(like)) for x, like in zip(out, leaves)]
+    return jax.tree.unflatten(treedef, [next(given) if is_stream(x) else next(fused) for x in leaves])
 
 
 def _global_topk_sum(x: jax.Array, k: int, carried: Any, warming: jax.Array | None, group: Group,

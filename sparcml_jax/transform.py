@@ -26,6 +26,7 @@ from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax import sparsifiers, stages
 from sparcml_jax.stages import (
     ErrorFeedbackState,
+    FusedBuffers,
     GradientStats,
     ReduceState,
     SparsifyState,
@@ -34,7 +35,9 @@ from sparcml_jax.stages import (
     densify,
     global_topk_reduce,
     is_stream,
+    leaf_sizes,
     reduce_streams,
+    relaid,
     sparsify,
     split_like,
 )
@@ -133,16 +136,6 @@ class LeafGroups:
         return jax.tree.unflatten(self.treedef, out) if treedef else out
 
 
-class FusedBuffers(NamedTuple):
-    """What :func:`fuse_leaves`'s ``inner`` transformation sees and returns: one flat buffer (or
-    the stream a sparsifier made of it) per group of :func:`plan_leaves`, in the plan's order. An
-    inner :func:`~sparcml_jax.error_feedback` keeps its residual in this container, so that the
-    state says which layout it holds; :func:`unfuse_leaves` cuts it into the parameters' leaves.
-    """
-
-    buffers: tuple
-
-
 def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: int = 1024, fuse: bool = True,
                 buckets: int | None = None) -> optax.GradientTransformation:
     """Packs the gradient into :class:`LeafGroups` and applies ``inner`` to its fused buffers.
@@ -178,7 +171,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         if buckets is not None and any(kinds):
             raise ValueError("allreduce_gradients: SparseStream gradient leaves are not supported with buckets; "
                              "pass buckets=None")
-        plan = plan_leaves(_leaf_sizes(leaves), kinds, **planned)
+        plan = plan_leaves(leaf_sizes(leaves), kinds, **planned)
         fused = tuple(stages.join_flat([leaves[i] for i in group], fused_dtype([leaves[i] for i in group]))
                       for group in plan.groups)
         like = tuple(None if s else (jnp.shape(x), jnp.result_type(x)) for x, s in zip(leaves, kinds))
@@ -194,7 +187,7 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         if inner is None:
             return groups, state
         leaves = jax.tree.leaves(updates, is_leaf=is_stream)
-        sizes = _leaf_sizes(leaves)
+        sizes = leaf_sizes(leaves)
         at_init, shapes = _dense_plan(sizes, planned)  # the plan inner.init saw
         kept = state.residual if isinstance(state, ErrorFeedbackState) else None
         if kept is not None and not (isinstance(kept, FusedBuffers) and
@@ -204,20 +197,16 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
                              "the parameters you train")
         moved = kept is not None and at_init.groups != groups.plan.groups
         if moved:
-            state = state._replace(residual=FusedBuffers(_relaid(kept.buffers, at_init.groups, groups.plan.groups,
+            state = state._replace(residual=FusedBuffers(relaid(kept.buffers, at_init.groups, groups.plan.groups,
                                                                  sizes)))
         fused, state = inner.update(FusedBuffers(groups.fused), state)
         if moved:
-            state = state._replace(residual=FusedBuffers(_relaid(state.residual.buffers, groups.plan.groups,
+            state = state._replace(residual=FusedBuffers(relaid(state.residual.buffers, groups.plan.groups,
                                                                  at_init.groups, sizes, into=kept.buffers)))
         fused = fused.buffers if isinstance(fused, FusedBuffers) else fused
         return dataclasses.replace(groups, fused=tuple(fused)), state
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _leaf_sizes(leaves: list) -> list[int]:
-    return [x.size if is_stream(x) else int(np.prod(jnp.shape(x))) for x in leaves]
 
 
 def _dense_plan(sizes: list[int], planned: dict) -> tuple[LeafPlan, list[tuple[int]]]:
@@ -227,34 +216,12 @@ def _dense_plan(sizes: list[int], planned: dict) -> tuple[LeafPlan, list[tuple[i
     return plan, [(sum(sizes[i] for i in group),) for group in plan.groups]
 
 
-def _relaid(buffers: tuple, groups: tuple, to_groups: tuple, sizes: list[int], into: tuple | None = None) -> tuple:
-    """Buffers laid out by ``groups`` (leaf indices, each leaf ``sizes[i]`` entries in a row), laid
-    out by ``to_groups``; a leaf in none of ``groups`` keeps its segment of ``into`` (else zeros)."""
-    where = {}
-    for b, group in enumerate(groups):
-        offset = 0
-        for i in group:
-            where[i] = (b, offset)
-            offset += sizes[i]
-    out = []
-    for t, group in enumerate(to_groups):
-        laid, offset = into[t] if into is not None else jnp.zeros((sum(sizes[i] for i in group),), VALUE_DTYPE), 0
-        for i in group:
-            if i in where:
-                b, start = where[i]
-                laid = jax.lax.dynamic_update_slice(laid, buffers[b][start:start + sizes[i]], (offset,))
-            offset += sizes[i]
-        out.append(laid)
-    return tuple(out)
-
-
 def unfuse_leaves(buffers: FusedBuffers | Sequence[jax.Array], params: Any, *, min_size: int = 1024,
                   fuse: bool = True, buckets: int | None = None) -> Any:
     """Flat buffers in :func:`fuse_leaves`'s layout (one per group of :func:`plan_leaves` over the
     parameters' leaves, with the same ``min_size``, ``fuse`` and ``buckets``) cut back into a
     pytree like ``params``: a leaf in no group (below ``min_size``) is zeros. It shows the
-    residual of :func:`allreduce_gradients` per parameter (SparCML's algorithms; a global top-k
-    algorithm keeps its residual per parameter already).
+    residual of :func:`allreduce_gradients` (any algorithm) per parameter.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -270,11 +237,12 @@ def unfuse_leaves(buffers: FusedBuffers | Sequence[jax.Array], params: Any, *, m
     """
     if not isinstance(buffers, (FusedBuffers, tuple, list)):
         raise TypeError(f"unfuse_leaves takes FusedBuffers (or a sequence of flat buffers), got "
-                        f"{type(buffers).__name__}: a global top-k algorithm's residual is per parameter already")
+                        f"{type(buffers).__name__}: pass the state's residual, "
+                        "optax.tree_utils.tree_get(state, 'residual')")
     buffers = buffers.buffers if isinstance(buffers, FusedBuffers) else tuple(buffers)
     leaves, treedef = jax.tree.flatten(params)
     planned = dict(min_size=min_size, fuse=fuse, buckets=buckets)
-    plan, shapes = _dense_plan(_leaf_sizes(leaves), planned)
+    plan, shapes = _dense_plan(leaf_sizes(leaves), planned)
     if [jnp.shape(x) for x in buffers] != shapes:
         raise ValueError(f"unfuse_leaves: buffers of shapes {[jnp.shape(x) for x in buffers]} for groups of shapes "
                          f"{shapes} ({planned}); pass the min_size, fuse and buckets of the transform that made them")
@@ -288,7 +256,7 @@ def unfuse_leaves(buffers: FusedBuffers | Sequence[jax.Array], params: Any, *, m
 def _fused_residual(residual: Any, planned: dict) -> FusedBuffers:
     """A residual per parameter leaf in :func:`fuse_leaves`'s layout (the inverse of :func:`unfuse_leaves`)."""
     leaves = jax.tree.leaves(residual)
-    plan, _ = _dense_plan(_leaf_sizes(leaves), planned)
+    plan, _ = _dense_plan(leaf_sizes(leaves), planned)
     return FusedBuffers(tuple(stages.join_flat([leaves[i] for i in group], VALUE_DTYPE) for group in plan.groups))
 
 
@@ -347,8 +315,8 @@ def allreduce_gradients(
     (without :func:`~sparcml_jax.sparsify` and error feedback when neither ``density`` nor ``k``
     is given); ``optax.tree_utils.tree_get(state, "residual")`` and ``(state, "stats")`` find
     the residual, a :class:`FusedBuffers` of one float32 vector per fused buffer
-    (:func:`unfuse_leaves` cuts it into the parameters' leaves; a global top-k algorithm keeps
-    it per leaf), and the last :class:`GradientStats`. Given ``params``, ``update`` checks that
+    (:func:`unfuse_leaves` cuts it into the parameters' leaves), and the last
+    :class:`GradientStats`. Given ``params``, ``update`` checks that
     the gradient has their leaves and shapes.
 
     Args:
@@ -523,7 +491,7 @@ def _per_leaf(residual: Any, updates: Any) -> bool:
         return False
     leaves, treedef = jax.tree.flatten(updates, is_leaf=is_stream)
     kept, kept_def = jax.tree.flatten(residual)
-    return kept_def == treedef and [np.size(r) for r in kept] == _leaf_sizes(leaves)
+    return kept_def == treedef and [np.size(r) for r in kept] == leaf_sizes(leaves)
 
 
 def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTransformation):

@@ -384,7 +384,7 @@ def test_unfuse_leaves_names_the_plan_it_needs():
     np.testing.assert_array_equal(np.asarray(per_leaf["head"][1]), np.zeros(7))  # small: sent whole, nothing held
     with pytest.raises(ValueError, match="pass the min_size, fuse and buckets of the transform"):
         sparcml_jax.unfuse_leaves(residual, params)  # the default min_size plans no group here
-    with pytest.raises(TypeError, match="global top-k algorithm's residual is per parameter already"):
+    with pytest.raises(TypeError, match="pass the state's residual"):
         sparcml_jax.unfuse_leaves(params, params)
 
 

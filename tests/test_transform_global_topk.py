@@ -26,6 +26,11 @@ def _flat(tree):
     return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
 
 
+def held(state, params, **planned):
+    """The residual per parameter leaf."""
+    return sparcml_jax.unfuse_leaves(tree_get(state, "residual"), params, **planned)
+
+
 @pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
 @pytest.mark.parametrize("fuse,min_size", [(True, 16), (False, 16), (True, 0)])
 def test_books_balance_over_steps(algorithm, fuse, min_size):
@@ -41,8 +46,9 @@ def test_books_balance_over_steps(algorithm, fuse, min_size):
         sent, state = update(grads, state)
         total_grads = jax.tree.map(jnp.add, total_grads, grads)
         total_sent = jax.tree.map(jnp.add, total_sent, sent)
-        np.testing.assert_array_equal(_flat(total_sent) + _flat(tree_get(state, "residual")), _flat(total_grads))
-    assert float(np.abs(_flat(tree_get(state, "residual"))).sum()) > 0  # something was held back
+        residual = held(state, params, fuse=fuse, min_size=min_size)
+        np.testing.assert_array_equal(_flat(total_sent) + _flat(residual), _flat(total_grads))
+    assert float(np.abs(_flat(residual)).sum()) > 0  # something was held back
 
 
 @pytest.mark.parametrize("algorithm,steps", [("spardl", 2), ("gtopk", 2), ("oktopk", 1)])
@@ -64,7 +70,7 @@ def test_sends_the_top_k_of_gradient_plus_residual(algorithm, steps):
         want[top] = acc[top]
         residual = acc - want
         np.testing.assert_array_equal(np.asarray(sent["w"]), want)
-        np.testing.assert_array_equal(np.asarray(tree_get(state, "residual")["w"]), residual)
+        np.testing.assert_array_equal(np.asarray(held(state, {"w": g})["w"]), residual)
 
 
 @pytest.mark.parametrize("algorithm", GLOBAL_TOPK_ALGORITHMS)
@@ -88,7 +94,7 @@ def test_small_leaves_travel_whole():
         for p in path:
             got, want = got[p], want[p]
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert not np.any(np.asarray(tree_get(state, "residual")["dense"]["b"]))
+    assert [r.shape for r in tree_get(state, "residual").buffers] == [(1410,)]  # small leaves hold nothing back
 
 
 def test_warmup_sends_dense_then_the_top_k():
@@ -98,7 +104,7 @@ def test_warmup_sends_dense_then_the_top_k():
     grads = {"w": jnp.arange(1.0, 2001.0)}
     sent, state = update(grads, tx.init(params))
     np.testing.assert_array_equal(np.asarray(sent["w"]), np.asarray(grads["w"]))
-    assert int(tree_get(state, "stats").algorithm) == -1 and not np.any(np.asarray(tree_get(state, "residual")["w"]))
+    assert int(tree_get(state, "stats").algorithm) == -1 and not np.any(np.asarray(held(state, params)["w"]))
     sent, state = update(grads, state)
     assert int((sent["w"] != 0).sum()) == 10
     assert GLOBAL_TOPK_ALGORITHMS[int(tree_get(state, "stats").algorithm) - len(ALGORITHMS)] == "gtopk"
@@ -162,7 +168,8 @@ def test_composes_with_partition_adam_and_a_jitted_step():
     sparse_state = s[0].inner_states["sparse"]
     assert float(tree_get(sparse_state, "stats").density) == pytest.approx(0.01)
     assert int((p["embed"] != 0).sum()) <= 3 * 20 and int((p["head"] != 0).sum()) == 10
-    assert float(tree_get(sparse_state, "residual")["embed"].sum()) > 0
+    assert float(sparcml_jax.unfuse_leaves(tree_get(sparse_state, "residual"), {"embed": params["embed"]},
+                                           min_size=0)["embed"].sum()) > 0
 
 
 def test_the_stage_alone_sums_every_dense_leaf_as_its_own_buffer():
@@ -171,7 +178,9 @@ def test_the_stage_alone_sums_every_dense_leaf_as_its_own_buffer():
     grads = {"a": jnp.arange(100.0), "b": jnp.arange(300.0).reshape(10, 30)}
     sent, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert int((sent["a"] != 0).sum()) == 10 and int((sent["b"] != 0).sum()) == 30  # k shared 1 : 3
-    np.testing.assert_array_equal(np.asarray(sent["b"] + tree_get(state, "residual")["b"]), np.asarray(grads["b"]))
+    residual = tree_get(state, "residual").buffers  # one buffer per leaf, as the stage sums them
+    assert [r.shape for r in residual] == [(100,), (300,)]
+    np.testing.assert_array_equal(np.asarray(sent["b"]).ravel() + np.asarray(residual[1]), np.asarray(grads["b"]).ravel())
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -216,7 +225,7 @@ def test_oktopk_intervals_reach_the_collective():
         tx = allreduce_gradients(k=30, algorithm="oktopk", tau=tau, tau_prime=tau)
         state, update = tx.init(params), jax.jit(tx.update)
         for g in grads:
-            accumulated = np.asarray(g["w"] + tree_get(state, "residual")["w"])
+            accumulated = np.asarray(g["w"] + held(state, params)["w"])
             sent, state = update(g, state)
             kth = np.sort(np.abs(accumulated))[-30]
             if tau == 1:
@@ -240,3 +249,49 @@ def test_a_single_state_checkpoint_does_not_continue_a_global_top_k():
         tree_get(old.init(params), "stats"))
     with pytest.raises(ValueError, match="tx.init"):
         allreduce_gradients(density=0.01, algorithm="spardl").update({"w": jnp.ones(2000)}, single)
+
+
+def test_a_stream_leaf_leaves_its_buffer_and_its_residual_waits():
+    """A leaf that arrives as a stream is summed exactly outside the fused buffer; the other
+    leaves' residual follows them, and the stream leaf's segment is kept for when it comes back
+    dense: the books still balance on every leaf."""
+    params = {"a": jnp.zeros(3000), "s": jnp.zeros(2000)}
+    tx = allreduce_gradients(k=50, algorithm="spardl", min_size=0)
+    state, update = tx.init(params), jax.jit(tx.update)
+    rng = np.random.default_rng(11)
+    total_grads, total_sent = jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params)
+    for step in range(4):
+        grads = integer_grads(rng, params)
+        given = grads
+        if step == 2:
+            given = {"a": grads["a"], "s": sparcml_jax.from_dense(grads["s"])}
+        sent, state = update(given, state)
+        sent = {"a": sent["a"], "s": sent["s"].to_dense() if step == 2 else sent["s"]}
+        total_grads = jax.tree.map(jnp.add, total_grads, grads)
+        total_sent = jax.tree.map(jnp.add, total_sent, sent)
+        residual = held(state, params, min_size=0)
+        for name in params:
+            np.testing.assert_array_equal(np.asarray(total_sent[name] + residual[name]), np.asarray(total_grads[name]))
+        if step == 2:  # the stream leaf's segment waited, untouched
+            np.testing.assert_array_equal(np.asarray(residual["s"]), np.asarray(before["s"]))
+        before = residual
+    assert float(np.abs(np.asarray(before["s"])).sum()) > 0
+
+
+def test_a_residual_kept_per_leaf_continues():
+    """A state whose residual is one array per parameter leaf (as states were kept before the
+    residual moved onto the fused buffers) updates exactly as its fused form does."""
+    params = params_tree()
+    tx = allreduce_gradients(density=0.05, algorithm="gtopk", min_size=16)
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(12)
+    _, state = update(integer_grads(rng, params), tx.init(params))
+    older = state[0]._replace(residual=held(state, params, min_size=16))
+    grads = integer_grads(rng, params)
+    sent, new = update(grads, (older, *state[1:]))
+    want_sent, want = update(grads, state)
+    np.testing.assert_array_equal(_flat(sent), _flat(want_sent))
+    for got, expected in zip(tree_get(new, "residual").buffers, tree_get(want, "residual").buffers):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    with pytest.raises(ValueError, match="re-run init"):
+        update(grads, (state[0]._replace(residual={"w": jnp.zeros(3)}), *state[1:]))

@@ -34,11 +34,9 @@ def _flat(tree, device=None):
 
 
 def _residual(state, options: dict):
-    """The residual per parameter leaf (SparCML's algorithms keep one vector per fused buffer)."""
-    residual = tree_get(state, "residual")
-    if options["algorithm"] in sj.GLOBAL_TOPK_ALGORITHMS:
-        return residual
-    return sj.unfuse_leaves(residual, _params(), min_size=options.get("min_size", 1024), fuse=options.get("fuse", True))
+    """The residual per parameter leaf (kept as one vector per fused buffer)."""
+    return sj.unfuse_leaves(tree_get(state, "residual"), _params(), min_size=options.get("min_size", 1024),
+                            fuse=options.get("fuse", True))
 
 
 def _steps(p: int, tx: optax.GradientTransformation, steps: int, options: dict):
