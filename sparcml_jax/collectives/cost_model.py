@@ -44,9 +44,9 @@ class CostModel:
         at once, as in a round of recursive doubling (on a node the ranks' copies then share
         cores and the memory bus; on a network every link is busy): the median of 15.
       dense_alpha, dense_beta: the dense MPI_Allreduce measured as a whole (a small one, and
-        seconds per byte of the vector from the median of 15 of 16 MB, past the caches): on a
-        node it is bound by memory and by the ranks sharing cores, not by the wire, and the
-        SparCML algorithms must beat the real thing.
+        seconds per byte of the vector from the median of 15 of 16 MB, past the caches, in a
+        jitted program as a training step runs it): on a node it is bound by memory and by the
+        ranks sharing cores, not by the wire, and the SparCML algorithms must beat the real thing.
       pair_cost: seconds per (index, value) pair merged on a rank, from the merge kernel timed
         on streams of 4 MB, two merges and a merge of their results as a collective chains them.
       element_cost: seconds per float32 element read or written by a pass over a length-N
