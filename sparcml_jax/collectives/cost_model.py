@@ -445,10 +445,12 @@ class Pricing:
         rounds = math.log2(p) * m.latency(p)
         self.messages += math.ceil(math.log2(p))
         if dense or quantize is not None:
-            # The dense allgather moves half the bytes of a dense allreduce.
+            # Every rank receives the other P - 1 slices (or their codes): bytes on the wire, like
+            # every other message (in place, no reduction: not half of an allreduce, whose price
+            # holds its sums and its fresh result on a node).
             value_bytes = self.value_bytes if quantize is None else quantize.bits / 8.0
             out = Estimate(n, n, p, dense_values=True)
-            self._seconds += rounds + n * value_bytes * m.dense_beta / 2
+            self._seconds += rounds + (p - 1) * longest_part(n, p) * value_bytes * m.beta
             self._sent += (p - 1) * longest_part(n, p) * value_bytes
             if quantize is not None:  # QSGD codes and decodes every element
                 self._seconds += 4 * n * m.element_cost + self._result_buffers(out)
