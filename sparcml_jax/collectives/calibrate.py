@@ -98,13 +98,13 @@ def _jitted_allreduce_slope(comm: MPI.Comm, count: int, reps: int) -> float:
 
     program = jax.jit(lambda v: dense_allreduce(v, comm=comm))
 
-    def timed(size: int) -> float:
+    def timed(size: int, reps: int = reps) -> float:
         vector = jnp.ones(size, jnp.float32)
         for _ in range(2):  # compiled, and the heaps grown
             jax.block_until_ready(program(vector))
         return slowest_rank_median(comm, lambda: jax.block_until_ready(program(vector)), reps)
 
-    return _on_fresh_thread(lambda: max(timed(count) - timed(2), 0.0))
+    return _on_fresh_thread(lambda: max(timed(count) - timed(2, reps=5), 0.0))
 
 
 @functools.cache
@@ -164,8 +164,8 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
         # 1.39 ns per element in one calibration at P = 2, 0.25-0.44 in eleven others), and one
         # inflated price tips auto's choices: the fastest of three interleaved blocks is the
         # steady state, as for alpha.
-        blocks = [(slowest_rank_median(comm, lambda: jax.block_until_ready(merged(*inputs)), 11),
-                   slowest_rank_median(comm, lambda: jax.block_until_ready(doubled(vector)), 11))
+        blocks = [(slowest_rank_median(comm, lambda: jax.block_until_ready(merged(*inputs)), 5),
+                   slowest_rank_median(comm, lambda: jax.block_until_ready(doubled(vector)), 5))
                   for _ in range(3)]
         chain_seconds, pass_seconds = (min(times) for times in zip(*blocks))
         # A pass reads and writes each element.

@@ -24,7 +24,7 @@ def _selection_program(k: int):
     return jax.jit(lambda v: topk(v, k))
 
 
-def measure_select_cost(comm: MPI.Comm, size: int = 1 << 21, density: float = 0.01, reps: int = 5) -> float:
+def measure_select_cost(comm: MPI.Comm, size: int = 1 << 21, density: float = 0.01, reps: int = 3) -> float:
     """Seconds per value of a top-k selection of ``density * size`` of ``size`` random float32
     values, every rank selecting at once (ranks that share a core are measured sharing it): the
     slowest rank's median over ``reps``, the fastest of three such blocks (as the calibration's
