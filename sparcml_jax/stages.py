@@ -307,6 +307,14 @@ def relaid(buffers: tuple, groups: tuple, to_groups: tuple, sizes: list[int], in
     return tuple(out)
 
 
+def check_fused_residual(stage: str, residual: Any, shapes: list[tuple[int]]) -> None:
+    """``residual`` is the :class:`FusedBuffers` that init made for fused buffers of ``shapes``."""
+    held = [jnp.shape(r) for r in jax.tree.leaves(residual)]
+    if not isinstance(residual, FusedBuffers) or held != shapes:
+        raise ValueError(f"{stage}: the gradient's fused buffers have shapes {shapes}, but the residual that init "
+                         f"made holds {held}; re-run init with the parameters you train")
+
+
 def check_like_residual(stage: str, leaves: list, treedef: Any, residual: list, residual_def: Any) -> None:
     """The gradient has the pytree and leaf shapes of the residual that init made."""
     if treedef != residual_def:
@@ -796,11 +804,7 @@ def global_topk_reduce(inner: optax.GradientTransformation | None = None, *, alg
         if error_feedback:
             kept = kept_residual(state.residual, updates, state.inner)
             at_init, now, sizes = layouts(updates, packed, state.inner)
-            shapes = [(sum(sizes[i] for i in group),) for group in at_init]
-            if [jnp.shape(r) for r in kept.buffers] != shapes:
-                raise ValueError(f"global_topk_reduce: the gradient's fused buffers have shapes {shapes}, but the "
-                                 f"residual that init made holds {[jnp.shape(r) for r in kept.buffers]}; re-run "
-                                 "init with the parameters you train")
+            check_fused_residual("global_topk_reduce", kept, [(sum(sizes[i] for i in group),) for group in at_init])
             residual = kept.buffers if now == at_init else relaid(kept.buffers, at_init, now, sizes)
             fused = [x.astype(VALUE_DTYPE) + r for x, r in zip(fused, residual)]
         warming = warming_up(state.count, warmup_steps)

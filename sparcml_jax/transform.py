@@ -190,11 +190,8 @@ def fuse_leaves(inner: optax.GradientTransformation | None = None, *, min_size: 
         sizes = leaf_sizes(leaves)
         at_init, shapes = _dense_plan(sizes, planned)  # the plan inner.init saw
         kept = state.residual if isinstance(state, ErrorFeedbackState) else None
-        if kept is not None and not (isinstance(kept, FusedBuffers) and
-                                     [jnp.shape(r) for r in kept.buffers] == shapes):
-            raise ValueError(f"fuse_leaves: the gradient's fused buffers have shapes {shapes}, but the residual that "
-                             f"init made holds {[jnp.shape(r) for r in jax.tree.leaves(kept)]}; re-run init with "
-                             "the parameters you train")
+        if kept is not None:
+            stages.check_fused_residual("fuse_leaves", kept, shapes)
         moved = kept is not None and at_init.groups != groups.plan.groups
         if moved:
             state = state._replace(residual=FusedBuffers(relaid(kept.buffers, at_init.groups, groups.plan.groups,
