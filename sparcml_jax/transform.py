@@ -21,6 +21,8 @@ from mpi4py import MPI
 from sparcml_jax.collectives import ALGORITHMS, CostModel
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.group import Group
+from sparcml_jax.collectives.validate import raised_everywhere, reject_everywhere
+from sparcml_jax.comm import resolve_comm
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax import sparsifiers, stages
@@ -440,7 +442,7 @@ def allreduce_gradients(
             error_feedback=error_feedback, transport=transport, comm=comm, axis_name=axis_name, average=average,
             delta=1.0 if delta is None else _static(delta, "delta"), warmup_steps=warmup_steps,
             teams=1 if teams is None else teams, tau=128 if tau is None else tau,
-            tau_prime=64 if tau_prime is None else tau_prime), densify()))
+            tau_prime=64 if tau_prime is None else tau_prime), densify()), comm=comm, axis_name=axis_name)
     if quantize_feedback and (quantize_bits is None or not exact or buckets is not None):
         raise ValueError("quantize_feedback feeds QSGD's split-phase error back into dense gradients: it needs "
                          "quantize_bits, no density or k (top-k segments travel as exact pairs) and no buckets "
@@ -478,7 +480,7 @@ def allreduce_gradients(
             state = (first._replace(residual=_fused_residual(first.residual, planned)), *state[1:])
         return state
 
-    return _with_param_checks(chained, from_older)
+    return _with_param_checks(chained, from_older, comm=comm, axis_name=axis_name, buckets=buckets is not None)
 
 
 def _per_leaf(residual: Any, updates: Any) -> bool:
@@ -496,16 +498,25 @@ def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTrans
     return optax.GradientTransformation(lambda params: tx.init(fused.update(params, fused.init(params))[0]), tx.update)
 
 
-def _with_param_checks(chained: optax.GradientTransformation, from_older=None) -> optax.GradientTransformation:
+def _with_param_checks(chained: optax.GradientTransformation, from_older=None, *, comm: MPI.Comm | None = None,
+                       axis_name: Hashable | None = None, buckets: bool = False) -> optax.GradientTransformation:
     """``chained`` with float parameters checked at init, continuing a state of an older layout
-    through ``from_older(state, updates)``."""
+    through ``from_older(state, updates)``.
+
+    An update that one rank rejects (a gradient or a state that does not fit, found as the step
+    is traced, before any message) is rejected on every rank of ``comm``: the peers, already in
+    the step's first collective, raise instead of waiting for this rank. Over a mesh axis every
+    device traces the same program, so the error is everywhere already. With ``buckets`` the
+    peers' buckets are in flight on the engine and their small leaves in an MPI_Allreduce, which
+    one rejection cannot end: there the error stays on this rank.
+    """
 
     def init_fn(params):
         for i, leaf in enumerate(jax.tree.leaves(params)):
             check_float_leaf(leaf, f"params leaf {i}")
         return chained.init(params)
 
-    def update_fn(updates, state, params=None):
+    def checked_update(updates, state, params):
         if params is not None:
             check_like_params(updates, params)
         if from_older is not None:
@@ -514,6 +525,14 @@ def _with_param_checks(chained: optax.GradientTransformation, from_older=None) -
             raise ValueError("allreduce_gradients: a checkpoint of the single-NamedTuple layout holds SparCML's "
                              "error feedback, not a global top-k residual; start from tx.init(params)")
         return chained.update(updates, state, params)
+
+    def update_fn(updates, state, params=None):
+        try:
+            return checked_update(updates, state, params)
+        except (TypeError, ValueError) as e:
+            if axis_name is not None or buckets or raised_everywhere(e):
+                raise
+            reject_everywhere(resolve_comm(comm), e)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

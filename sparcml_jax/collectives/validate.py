@@ -8,6 +8,7 @@ it and its peers in different calls.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 from typing import Any, NoReturn
@@ -108,18 +109,41 @@ def reject_everywhere(comm: MPI.Comm, error: BaseException, *, engine: bool = Fa
     signature differs from theirs, so their call fails instead of waiting for this rank.
     """
     rejected = native.Signature.of(None)
+
+    def join() -> None:
+        try:
+            if engine:
+                program = native.Program((native.AGREE, 0, 0, 0, 0, 0, 0, 0), -1, 0, 0)
+                job = native.start(program, _empty(), comm=comm, signature=rejected, delta=1.0, rejected=True)
+                jax.block_until_ready(native.wait(job, size=0, capacity=0)[0].nnz)
+            else:
+                jax.block_until_ready(jax.jit(lambda s: native.agree(s, comm=comm, signature=rejected,
+                                                                      rejected=True))(_empty()))
+            jax.effects_barrier()
+        except Exception:  # noqa: BLE001 - the peers' mismatch is expected; ours is the error to raise
+            reset_after_error()
+
+    # A rank that fails while its step is traced would only stage the call into that trace: JAX's
+    # trace state is per thread, so a fresh thread makes it now.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(join).result()
+    raise _on_every_rank(error)
+
+
+def _on_every_rank(error: BaseException) -> BaseException:
+    """``error``, marked as raised on every rank of its collective (:func:`raised_everywhere`)."""
     try:
-        if engine:
-            program = native.Program((native.AGREE, 0, 0, 0, 0, 0, 0, 0), -1, 0, 0)
-            job = native.start(program, _empty(), comm=comm, signature=rejected, delta=1.0, rejected=True)
-            jax.block_until_ready(native.wait(job, size=0, capacity=0)[0].nnz)
-        else:
-            jax.block_until_ready(jax.jit(lambda s: native.agree(s, comm=comm, signature=rejected, rejected=True))(
-                _empty()))
-        jax.effects_barrier()
-    except Exception:  # noqa: BLE001 - the peers' mismatch is expected; ours is the error to raise
-        reset_after_error()
-    raise error
+        error.sparcml_on_every_rank = True
+    except AttributeError:  # an exception type without attributes of its own: never rejected twice anyway
+        pass
+    return error
+
+
+def raised_everywhere(error: BaseException) -> bool:
+    """Whether ``error`` already reached every rank: a collective's own failure, or an argument
+    error that :func:`reject_everywhere` passed on. A caller that rejects what its stage raised
+    must not pass these on a second time: the peers have already left the collective."""
+    return getattr(error, "sparcml_on_every_rank", False)
 
 
 def reset_after_error() -> None:
@@ -145,6 +169,6 @@ def call_and_recover(fn, *args):
         if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
             jax.block_until_ready(out)
         return out
-    except Exception:
+    except Exception as e:
         reset_after_error()
-        raise
+        raise _on_every_rank(e)

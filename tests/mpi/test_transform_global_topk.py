@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, RANK, run_and_agree, training_checks, transform_checks
+from _util import COMM, NPROCS, RANK, expect_error_everywhere, run_and_agree, training_checks, transform_checks
 
 pytestmark = transform_checks
 
@@ -108,3 +108,22 @@ def test_teams_and_intervals_reach_the_collective():
         return failures
 
     run_and_agree(check, "teams and intervals")
+
+
+@pytest.mark.skipif(NPROCS < 2, reason="a rank that misfits alone needs peers")
+@pytest.mark.parametrize("algorithm", sparcml_jax.GLOBAL_TOPK_ALGORITHMS)
+def test_a_residual_that_misfits_on_one_rank_raises_on_every_rank(algorithm):
+    """The residual is checked as the step is traced, before any message: the peers, already in
+    the collective, raise too instead of waiting for the rank that failed."""
+    bad = RANK == NPROCS - 1
+    tx = sparcml_jax.allreduce_gradients(density=0.05, algorithm=algorithm, min_size=100)
+    params = _params()
+    state = tx.init({**params, "v": jnp.zeros(2000)} if bad else params)
+    update = jax.jit(lambda g, s: tx.update(g, s, params))
+    expect_error_everywhere(lambda: update(_grads(0), state)[0],
+                            "the gradient's fused buffers have shapes" if bad else "another rank rejected its arguments",
+                            algorithm)
+    sparcml_jax.reset_after_error()
+    mine = _flat(update(_grads(1), tx.init(params))[0])
+    run_and_agree(lambda: [] if np.array_equal(mine, COMM.bcast(mine)) else ["the next step differs across ranks"],
+                  f"{algorithm}: the next good step")

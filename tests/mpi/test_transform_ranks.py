@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, RANK, run_and_agree, training_checks, transform_checks
+from _util import COMM, NPROCS, RANK, expect_error_everywhere, run_and_agree, training_checks, transform_checks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
@@ -324,3 +324,31 @@ def test_bfloat16_leaves_give_the_float32_updates_rounded(options):
         return failures
 
     run_and_agree(check, f"bfloat16 leaves {options}")
+
+
+# A rank whose update does not fit (its state, its gradient) fails as it traces the step, before
+# any message; its peers, already in the step's collective, must raise too rather than wait.
+ONE_RANK_MISFITS = {
+    "residual of other parameters": (dict(density=0.03, min_size=100), "state", "the gradient's fused buffers have shapes"),
+    "mpi4jax transport": (dict(density=0.03, min_size=100, transport="mpi4jax"), "state",
+                          "the gradient's fused buffers have shapes"),
+    "exact mode, gradient of other parameters": (dict(), "gradient", "its parameter has shape"),
+}
+
+
+@pytest.mark.skipif(NPROCS < 2, reason="a rank that misfits alone needs peers")
+@pytest.mark.parametrize("case", list(ONE_RANK_MISFITS))
+def test_an_update_that_misfits_on_one_rank_raises_on_every_rank(case):
+    options, what, message = ONE_RANK_MISFITS[case]
+    bad = RANK == NPROCS - 1
+    tx = sparcml_jax.allreduce_gradients(**options)
+    params = _params()
+    other = {**params, "v": jnp.zeros(2000)}
+    state = tx.init(other if bad and what == "state" else params)
+    grads = other if bad and what == "gradient" else _grads(0)
+    update = jax.jit(lambda g, s: tx.update(g, s, params))
+    expect_error_everywhere(lambda: update(grads, state)[0],
+                            message if bad else "another rank rejected its arguments", case)
+    sparcml_jax.reset_after_error()
+    good = tx.init(params)
+    run_and_agree(lambda: _identical_everywhere(update(_grads(1), good)[0], "the next good step"), case)
