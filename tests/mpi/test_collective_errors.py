@@ -326,6 +326,19 @@ def test_bad_argument_raises_everywhere(case):
     assert_next_collective_works()
 
 
+@needs_two_ranks
+def test_bad_argument_on_one_rank_inside_user_jit_raises_everywhere():
+    """The bad rank finds its error as it traces the step, while its peers already run theirs."""
+    bad = RANK == BAD_RANK
+    algorithm = "ssar_recursive_halving" if bad else "ssar_split_allgather"
+    step = jax.jit(lambda s: sparse_allreduce(s, algorithm=algorithm).to_dense())
+    expect_error_everywhere(lambda: step(good_inputs().stream),
+                            "algorithm must be 'auto' or one of" if bad else "another rank rejected its arguments",
+                            "a bad algorithm on one rank, inside jit")
+    sparcml_jax.reset_after_error()
+    assert_recovered("ssar_split_allgather")
+
+
 def test_not_a_stream_raises_everywhere():
     def body():
         try:
