@@ -104,6 +104,8 @@ def sparse_allreduce_start(
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
                                quantize_scale=quantize_scale)
     except (TypeError, ValueError) as e:
+        if algorithm == "auto" and comm.Get_size() > 1:  # the peers first calibrate, on their calling thread
+            auto.cost_model_for(comm, cost_model)
         reject_everywhere(comm, e, engine=True)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
     dense = stream.dense_by_construction

@@ -239,6 +239,21 @@ def test_argument_error_on_one_rank_fails_the_peers_reduction():
     assert_recovered()
 
 
+@pytest.mark.skipif(NPROCS < 2, reason="a disagreement needs two ranks")
+def test_argument_error_on_one_rank_at_the_first_auto_call():
+    """The peers calibrate the cost model before their first job; the bad rank joins that, then fails their job."""
+    inp = inputs("sparse", 1e-2, "random")
+    comm = COMM.Dup()  # a communicator that auto has not calibrated yet
+    quantize_bits = 3 if RANK == BAD_RANK else None
+    expect_error_everywhere(
+        lambda: sparse_allreduce_wait(sparse_allreduce_start(inp.stream, comm=comm, quantize_bits=quantize_bits,
+                                                             key=jax.random.key(0))),
+        lambda r: "quantize_bits must be one of" if r == BAD_RANK else "rejected its arguments",
+        "a bad quantize_bits on one rank, at the first auto call on a communicator",
+    )
+    assert_recovered()
+
+
 def test_each_handle_is_waited_on_once():
     inp = inputs("sparse", 1e-2, "random")
     handle = sparse_allreduce_start(inp.stream, algorithm="ssar_recursive_doubling")
