@@ -124,6 +124,9 @@ def test_a_residual_that_misfits_on_one_rank_raises_on_every_rank(algorithm):
                             "the gradient's fused buffers have shapes" if bad else "another rank rejected its arguments",
                             algorithm)
     sparcml_jax.reset_after_error()
-    mine = _flat(update(_grads(1), tx.init(params))[0])
-    run_and_agree(lambda: [] if np.array_equal(mine, COMM.bcast(mine)) else ["the next step differs across ranks"],
-                  f"{algorithm}: the next good step")
+
+    def next_step():
+        mine = _flat(update(_grads(1), tx.init(params))[0])
+        return [] if np.array_equal(mine, COMM.bcast(mine)) else ["the next step differs across ranks"]
+
+    run_and_agree(next_step, f"{algorithm}: the next good step")

@@ -328,10 +328,10 @@ def test_bfloat16_leaves_give_the_float32_updates_rounded(options):
 
 # A rank whose update does not fit (its state, its gradient) fails as it traces the step, before
 # any message; its peers, already in the step's collective, must raise too rather than wait.
+MISFIT_RESIDUAL = "the gradient's fused buffers have shapes"
 ONE_RANK_MISFITS = {
-    "residual of other parameters": (dict(density=0.03, min_size=100), "state", "the gradient's fused buffers have shapes"),
-    "mpi4jax transport": (dict(density=0.03, min_size=100, transport="mpi4jax"), "state",
-                          "the gradient's fused buffers have shapes"),
+    "residual of other parameters": (dict(density=0.03, min_size=100), "state", MISFIT_RESIDUAL),
+    "mpi4jax transport": (dict(density=0.03, min_size=100, transport="mpi4jax"), "state", MISFIT_RESIDUAL),
     "exact mode, gradient of other parameters": (dict(), "gradient", "its parameter has shape"),
 }
 
