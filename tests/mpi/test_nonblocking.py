@@ -24,6 +24,7 @@ from _util import (
     agree_on_poisoned_tokens,
     expect_error_everywhere,
     make_stream,
+    one_rank_against_its_peers,
     run_and_agree,
 )
 from mpi4py import MPI
@@ -239,7 +240,7 @@ def test_argument_error_on_one_rank_fails_the_peers_reduction():
     assert_recovered()
 
 
-@pytest.mark.skipif(NPROCS < 2, reason="a disagreement needs two ranks")
+@one_rank_against_its_peers
 def test_argument_error_on_one_rank_at_the_first_auto_call():
     """The peers calibrate the cost model before their first job; the bad rank joins that, then fails their job."""
     inp = inputs("sparse", 1e-2, "random")

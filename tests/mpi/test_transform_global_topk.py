@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, NPROCS, RANK, expect_error_everywhere, run_and_agree, training_checks, transform_checks
+from _util import (COMM, NPROCS, RANK, expect_error_everywhere, one_rank_against_its_peers, run_and_agree,
+                   training_checks, transform_checks)
 
 pytestmark = transform_checks
 
@@ -110,7 +111,7 @@ def test_teams_and_intervals_reach_the_collective():
     run_and_agree(check, "teams and intervals")
 
 
-@pytest.mark.skipif(NPROCS < 2, reason="a rank that misfits alone needs peers")
+@one_rank_against_its_peers
 @pytest.mark.parametrize("algorithm", sparcml_jax.GLOBAL_TOPK_ALGORITHMS)
 def test_a_residual_that_misfits_on_one_rank_raises_on_every_rank(algorithm):
     """The residual is checked as the step is traced, before any message: the peers, already in

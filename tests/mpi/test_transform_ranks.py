@@ -12,7 +12,8 @@ import optax
 import pytest
 
 import sparcml_jax
-from _util import COMM, NPROCS, RANK, expect_error_everywhere, run_and_agree, training_checks, transform_checks
+from _util import (COMM, NPROCS, RANK, expect_error_everywhere, one_rank_against_its_peers, run_and_agree,
+                   training_checks, transform_checks)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
@@ -336,7 +337,7 @@ ONE_RANK_MISFITS = {
 }
 
 
-@pytest.mark.skipif(NPROCS < 2, reason="a rank that misfits alone needs peers")
+@one_rank_against_its_peers
 @pytest.mark.parametrize("case", list(ONE_RANK_MISFITS))
 def test_an_update_that_misfits_on_one_rank_raises_on_every_rank(case):
     options, what, message = ONE_RANK_MISFITS[case]
