@@ -8,7 +8,6 @@ communicator, on every rank together.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 
 from mpi4py import MPI
@@ -16,6 +15,7 @@ from mpi4py import MPI
 from sparcml_jax.collectives._plan import Plan
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS
+from sparcml_jax.comm._compat import outside_trace
 from sparcml_jax.stream import can_switch_to_dense, dense_threshold
 
 COST_MODEL_ENV = "SPARCML_JAX_COST_MODEL"
@@ -94,8 +94,5 @@ def cost_model_for(comm: MPI.Comm, given: CostModel | None = None) -> CostModel:
         return CostModel.load(path)
     key = comm.py2f()
     if key not in _calibrated:
-        # The first auto call on comm usually runs while the user's step is being traced, and
-        # JAX's trace state is per thread: on a fresh thread the measurements run eagerly.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            _calibrated[key] = pool.submit(CostModel.calibrate, comm).result()
+        _calibrated[key] = outside_trace(lambda: CostModel.calibrate(comm))
     return _calibrated[key]

@@ -8,12 +8,13 @@ so that a job pays for calibration once, not at every start.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import time
 
 import numpy as np
 from mpi4py import MPI
+
+from sparcml_jax.comm._compat import outside_trace
 
 
 def measure(comm: MPI.Comm, small_reps: int = 50, large_bytes: int = 16 << 20, large_reps: int = 15,
@@ -56,15 +57,6 @@ def _steadiest(measure, tries: int = 3) -> float:
     return min(measure() for _ in range(tries))
 
 
-def _on_fresh_thread(measure):
-    """Runs ``measure()`` on a fresh thread. The first collective on a communicator usually runs
-    while the user's train step is being traced, and JAX's trace state is per thread: on a fresh
-    thread the kernels run as they would in a step, where inside the trace (even under
-    ensure_compile_time_eval) every call took 10x as long."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(measure).result()
-
-
 def slowest_rank_median(comm: MPI.Comm, run, reps: int, before=None) -> float:
     """Median over ``reps`` calls of ``run()`` (after one warm-up) of the slowest rank's time,
     every call started by all ranks together after a barrier (and after ``before()``, untimed)."""
@@ -104,7 +96,7 @@ def _jitted_allreduce_slope(comm: MPI.Comm, count: int, reps: int) -> float:
             jax.block_until_ready(program(vector))
         return slowest_rank_median(comm, lambda: jax.block_until_ready(program(vector)), reps)
 
-    return _on_fresh_thread(lambda: max(timed(count) - timed(2, reps=5), 0.0))
+    return outside_trace(lambda: max(timed(count) - timed(2, reps=5), 0.0))
 
 
 @functools.cache
@@ -171,7 +163,7 @@ def _compute_costs(comm: MPI.Comm) -> tuple[float, float]:
         # A pass reads and writes each element.
         return chain_seconds / (8 * MERGE_PAIRS), pass_seconds / (2 * vector.size)
 
-    return _on_fresh_thread(time_both)
+    return outside_trace(time_both)
 
 
 def _pairwise_exchange(comm: MPI.Comm, nbytes: int, reps: int) -> float:

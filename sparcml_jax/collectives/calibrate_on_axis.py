@@ -20,7 +20,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparcml_jax.collectives.calibrate import MERGE_PAIRS, _on_fresh_thread, merge_chain, merge_indices
+from sparcml_jax.collectives.calibrate import MERGE_PAIRS, merge_chain, merge_indices
+from sparcml_jax.comm._compat import outside_trace
 
 _CALLS = 8  # calls per program: the loop's time over them is one call's
 
@@ -52,7 +53,7 @@ def measure_on_axis(mesh: Mesh, axis_name: Hashable, reps: int = 7, large_bytes:
 
     # On a fresh thread: called while a step is traced, JAX's trace state (per thread) would
     # otherwise stage these programs into the step instead of running them.
-    return tuple(float(v) for v in _on_fresh_thread(measure))
+    return tuple(float(v) for v in outside_trace(measure))
 
 
 class _AxisTimer:

@@ -40,7 +40,8 @@ def measure_select_cost(comm: MPI.Comm, size: int = 1 << 21, density: float = 0.
     import jax
     import jax.numpy as jnp
 
-    from sparcml_jax.collectives.calibrate import _on_fresh_thread, _steadiest, slowest_rank_median
+    from sparcml_jax.collectives.calibrate import _steadiest, slowest_rank_median
+    from sparcml_jax.comm._compat import outside_trace
 
     def time_selection() -> float:
         values = jnp.asarray(np.random.default_rng(comm.Get_rank()).random(size, np.float32) - 0.5)
@@ -49,4 +50,4 @@ def measure_select_cost(comm: MPI.Comm, size: int = 1 << 21, density: float = 0.
             jax.block_until_ready(select(values))
         return _steadiest(lambda: slowest_rank_median(comm, lambda: jax.block_until_ready(select(values)), reps)) / size
 
-    return float(comm.bcast(_on_fresh_thread(time_selection), root=0))
+    return float(comm.bcast(outside_trace(time_selection), root=0))

@@ -8,7 +8,6 @@ it and its peers in different calls.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 from typing import Any, NoReturn
@@ -20,7 +19,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives._plan import ALGORITHMS, QUANTIZE_BITS, QUANTIZE_SCALES, Plan, Quantization
 from sparcml_jax.comm import check_transport, native
-from sparcml_jax.comm._compat import clear_runtime_tokens
+from sparcml_jax.comm._compat import clear_runtime_tokens, outside_trace
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.stream import SparseStream, dense_threshold
 
@@ -123,10 +122,7 @@ def reject_everywhere(comm: MPI.Comm, error: BaseException, *, engine: bool = Fa
         except Exception:  # noqa: BLE001 - the peers' mismatch is expected; ours is the error to raise
             reset_after_error()
 
-    # A rank that fails while its step is traced would only stage the call into that trace: JAX's
-    # trace state is per thread, so a fresh thread makes it now.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(join).result()
+    outside_trace(join)  # a rank that fails while its step is traced must make the call, not stage it
     raise _on_every_rank(error)
 
 

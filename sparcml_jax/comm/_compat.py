@@ -9,9 +9,13 @@
 - ``varying_axes``: the ``shard_map`` mesh axes a value varies over (``aval.mat.varying`` from
   JAX 0.10, ``aval.vma`` before).
 - ``backends_started``: whether JAX's backends exist already (XLA_FLAGS no longer apply then).
+- ``outside_trace``: a call run now even while a step is being traced (JAX's trace state is per thread).
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, TypeVar
 
 import jax
 from jax._src.core import abstract_token
@@ -21,7 +25,9 @@ from mpi4jax._src.utils import get_default_comm as default_comm
 from mpi4jax._src.utils import ordered_effect
 
 __all__ = ["abstract_token", "apply_primitive", "backends_started", "clear_runtime_tokens", "default_comm",
-           "ordered_effect", "runtime_token_values", "varying_axes"]
+           "ordered_effect", "outside_trace", "runtime_token_values", "varying_axes"]
+
+T = TypeVar("T")
 
 
 def clear_runtime_tokens() -> None:
@@ -39,3 +45,13 @@ def varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def outside_trace(call: Callable[[], T]) -> T:
+    """``call()`` on a fresh thread. A collective's first call on a communicator, or a rank's
+    rejection of its arguments, usually happens while the user's train step is being traced, and
+    JAX's trace state is per thread: inside the trace a jitted call would only be staged into the
+    step, and eager kernels ran 10x slower (even under ``ensure_compile_time_eval``); on a fresh
+    thread they run now, as they would in a step."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(call).result()
