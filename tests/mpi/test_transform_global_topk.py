@@ -10,7 +10,7 @@ import pytest
 
 import sparcml_jax
 from _util import (COMM, NPROCS, RANK, expect_error_everywhere, one_rank_against_its_peers, run_and_agree,
-                   training_checks, transform_checks)
+                   transform_checks)
 
 pytestmark = transform_checks
 
@@ -35,7 +35,6 @@ def held(state):
     return sparcml_jax.unfuse_leaves(tree_get(state, "residual"), _params(), min_size=100)
 
 
-@training_checks
 def test_identical_parameters_after_every_step():
     def check():
         failures = []

@@ -13,7 +13,7 @@ import pytest
 
 import sparcml_jax
 from _util import (COMM, NPROCS, RANK, expect_error_everywhere, one_rank_against_its_peers, run_and_agree,
-                   training_checks, transform_checks)
+                   transform_checks)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the references
 from quantized_dsar_reference import quantized_dsar_reference, split_phase_error  # noqa: E402
@@ -37,7 +37,6 @@ def _identical_everywhere(tree, what):
     return [] if np.array_equal(mine, first) else [f"{what}: rank differs from rank 0"]
 
 
-@training_checks
 def test_identical_parameters_after_every_step():
     def check():
         failures = []
