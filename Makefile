@@ -56,8 +56,10 @@ bench: build
 	$(PY) -m sparcml_jax.bench report benchmarks/full_P2.json benchmarks/full_P4.json benchmarks/in_program_P2.json \
 	  benchmarks/in_program_P4.json $(wildcard benchmarks/emulated_*.json) --out benchmarks
 
+# The slowest tests are listed at the end: CI must stay well under 30 minutes on 2 cores, and
+# the rank suites under mpirun are most of it.
 test: build
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q --durations=12 tests
 
 # Checks of this machine rather than of the code: the kernel's scheduler slices, XLA's byte counts.
 test-environment: build

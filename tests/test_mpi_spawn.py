@@ -10,7 +10,6 @@ the ranks; the run therefore continues past failures (up to a limit) to report t
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from mpi_spawn import run_pytest_under_mpirun
@@ -41,10 +40,8 @@ def test_mpi_ranks(nprocs, tmp_path):
         CostModel(alpha=2e-6, beta=1e-10, dense_alpha=5e-6, dense_beta=3e-10, pair_cost=1e-9,
                   element_cost=3e-10).save(str(model))
         env = {COST_MODEL_ENV: str(model)}
-    start = time.perf_counter()
     run_pytest_under_mpirun(nprocs, FILES.get(nprocs, MPI_TESTS), timeout=TIMEOUTS[nprocs],
                             extra=["--maxfail=20", "-rfEX", "-W", "ignore::DeprecationWarning"], env=env)
-    print(f"mpirun -n {nprocs}: {time.perf_counter() - start:.1f} s")
 
 
 @pytest.mark.environment
