@@ -85,6 +85,11 @@ def choice_table(model: CostModel, plan: Plan, size: int, capacity: int, dense: 
     return rows
 
 
+def calibrates(comm: MPI.Comm, given: CostModel | None = None) -> bool:
+    """Whether :func:`cost_model_for` will measure on ``comm`` (a collective call on every rank)."""
+    return given is None and not os.environ.get(COST_MODEL_ENV) and comm.py2f() not in _calibrated
+
+
 def cost_model_for(comm: MPI.Comm, given: CostModel | None = None) -> CostModel:
     """The model ``auto`` chooses with on ``comm`` (see the module's docstring)."""
     if given is not None:

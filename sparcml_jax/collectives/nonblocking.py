@@ -34,7 +34,8 @@ from mpi4py import MPI
 from sparcml_jax.collectives import auto, native_program
 from sparcml_jax.collectives._plan import AllreduceStats
 from sparcml_jax.collectives.cost_model import CostModel
-from sparcml_jax.collectives.validate import allreduce_signature, check_allreduce, reject_everywhere, reset_after_error
+from sparcml_jax.collectives.validate import (agree_on_the_engine, allreduce_signature, check_allreduce, reject_everywhere,
+                                             reset_after_error)
 from sparcml_jax.comm import native, resolve_comm
 from sparcml_jax.kernels.qsgd import key_words
 from sparcml_jax.stream import SparseStream
@@ -104,9 +105,9 @@ def sparse_allreduce_start(
                                quantize_bits=quantize_bits, key=key, bucket_size=bucket_size,
                                quantize_scale=quantize_scale)
     except (TypeError, ValueError) as e:
-        if algorithm == "auto" and comm.Get_size() > 1:  # the peers first calibrate, on their calling thread
-            auto.cost_model_for(comm, cost_model)
         reject_everywhere(comm, e, engine=True)
+    if algorithm == "auto" and plan.nprocs > 1 and auto.calibrates(comm, cost_model):
+        agree_on_the_engine(comm, "calibrate")  # where a peer's rejection (which need not be "auto") meets it
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
     dense = stream.dense_by_construction
     program = native_program(plan, algorithm, model, stream.size, stream.capacity, dense)

@@ -112,9 +112,7 @@ def reject_everywhere(comm: MPI.Comm, error: BaseException, *, engine: bool = Fa
     def join() -> None:
         try:
             if engine:
-                program = native.Program((native.AGREE, 0, 0, 0, 0, 0, 0, 0), -1, 0, 0)
-                job = native.start(program, _empty(), comm=comm, signature=rejected, delta=1.0, rejected=True)
-                jax.block_until_ready(native.wait(job, size=0, capacity=0)[0].nnz)
+                _agree_on_the_engine(comm, rejected, rejected=True)
             else:
                 jax.block_until_ready(jax.jit(lambda s: native.agree(s, comm=comm, signature=rejected,
                                                                       rejected=True))(_empty()))
@@ -124,6 +122,31 @@ def reject_everywhere(comm: MPI.Comm, error: BaseException, *, engine: bool = Fa
 
     outside_trace(join)  # a rank that fails while its step is traced must make the call, not stage it
     raise _on_every_rank(error)
+
+
+def agree_on_the_engine(comm: MPI.Comm, what: str) -> None:
+    """Every rank of ``comm`` agrees, on the progress engine, that it does ``what`` next.
+
+    A rank that rejects its arguments in a non-blocking call does so on the engine. Before its
+    peers do anything collective on their calling thread instead (calibrate the cost model for
+    ``auto``), they agree there first, so that the rejection fails them instead of leaving
+    both sides waiting. Raises on every rank if a rank rejected its arguments.
+    """
+
+    def join() -> None:
+        try:
+            _agree_on_the_engine(comm, native.Signature.of(what))
+        except Exception as e:
+            reset_after_error()
+            raise _on_every_rank(e)
+
+    outside_trace(join)
+
+
+def _agree_on_the_engine(comm: MPI.Comm, signature: native.Signature, rejected: bool = False) -> None:
+    program = native.Program((native.AGREE, 0, 0, 0, 0, 0, 0, 0), -1, 0, 0)
+    job = native.start(program, _empty(), comm=comm, signature=signature, delta=1.0, rejected=rejected)
+    jax.block_until_ready(native.wait(job, size=0, capacity=0)[0].nnz)
 
 
 def _on_every_rank(error: BaseException) -> BaseException:

@@ -241,17 +241,27 @@ def test_argument_error_on_one_rank_fails_the_peers_reduction():
 
 
 @one_rank_against_its_peers
-def test_argument_error_on_one_rank_at_the_first_auto_call():
-    """The peers calibrate the cost model before their first job; the bad rank joins that, then fails their job."""
+@pytest.mark.parametrize("bad, message", [(dict(quantize_bits=3), "quantize_bits must be one of"),
+                                          (dict(algorithm="bogus"), "algorithm must be")])
+def test_argument_error_on_one_rank_at_the_first_auto_call(bad, message):
+    """The peers are about to calibrate the cost model for their first job; the bad rank, which
+    need not know that (its own algorithm may be the bad argument), rejects on the engine, where
+    the peers agree before they calibrate."""
     inp = inputs("sparse", 1e-2, "random")
     comm = COMM.Dup()  # a communicator that auto has not calibrated yet
-    quantize_bits = 3 if RANK == BAD_RANK else None
+    options = bad if RANK == BAD_RANK else {}
     expect_error_everywhere(
-        lambda: sparse_allreduce_wait(sparse_allreduce_start(inp.stream, comm=comm, quantize_bits=quantize_bits,
-                                                             key=jax.random.key(0))),
-        lambda r: "quantize_bits must be one of" if r == BAD_RANK else "rejected its arguments",
-        "a bad quantize_bits on one rank, at the first auto call on a communicator",
+        lambda: sparse_allreduce_wait(sparse_allreduce_start(inp.stream, comm=comm, key=jax.random.key(0), **options)),
+        lambda r: message if r == BAD_RANK else "rejected its arguments",
+        f"{bad} on one rank, at the first auto call on a communicator",
     )
+
+    def first_good_call():  # every rank calibrates now
+        out = sparse_allreduce_wait(sparse_allreduce_start(inp.stream, comm=comm))
+        return [] if np.array_equal(np.asarray(out.to_dense()), inp.total) else ["wrong sum"]
+
+    run_and_agree(first_good_call, "the first good auto call after the rejection")
+    comm.Free()
     assert_recovered()
 
 
