@@ -161,8 +161,8 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     """An example's sparse step (``--model``; top-k ``--density`` + error feedback,
     ``--algorithm``, ``--bits`` QSGD; ``--density none``: the exact mode) taken apart: the model
     and optimizer alone, plus the selection and error feedback (the exact mode: the packing), plus
-    the collective (the whole step); the collective and QSGD's coding alone; the dense step
-    carrying as many scalar state leaves as the sparse transform's state."""
+    the collective (the whole step); the collective, the dense step's allreduce and QSGD's coding
+    alone; the dense step carrying as many scalar state leaves as the sparse transform's state."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_all, y_all, initial, make_step, fusing = _model(args.model)
     rng = np.random.default_rng(rank)
@@ -208,6 +208,9 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     algorithm = sparcml_jax.ALGORITHMS[int(stats.algorithm)]
     programs["the collective alone"] = lambda: collective(stream, key)[0]
     calls["the collective alone"] = mpi_calls(collective.lower(stream, key).as_text())
+    dense_collective = jax.jit(sparcml_jax.dense_allreduce)  # what the dense step's one call costs
+    programs["the dense collective alone"] = lambda: dense_collective(vector)
+    calls["the dense collective alone"] = mpi_calls(dense_collective.lower(vector).as_text())
     if bits is not None and algorithm == "dsar_split_allgather":  # auto quantizes only DSAR's dense phase
         from sparcml_jax.kernels.qsgd import qsgd_dequantize, qsgd_quantize
 
