@@ -261,7 +261,6 @@ def test_argument_error_on_one_rank_at_the_first_auto_call(bad, message):
         return [] if np.array_equal(np.asarray(out.to_dense()), inp.total) else ["wrong sum"]
 
     run_and_agree(first_good_call, "the first good auto call after the rejection")
-    comm.Free()
     assert_recovered()
 
 
