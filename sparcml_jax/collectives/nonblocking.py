@@ -106,9 +106,11 @@ def sparse_allreduce_start(
                                quantize_scale=quantize_scale)
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e, engine=True)
-    if algorithm == "auto" and plan.nprocs > 1 and auto.calibrates(comm, cost_model):
-        agree_on_the_engine(comm, "calibrate")  # where a peer's rejection (which need not be "auto") meets it
-    model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
+    model = None
+    if algorithm == "auto" and plan.nprocs > 1:
+        if auto.calibrates(comm, cost_model):
+            agree_on_the_engine(comm, "calibrate")  # where a peer's rejection (which need not be "auto") meets it
+        model = auto.cost_model_for(comm, cost_model)
     dense = stream.dense_by_construction
     program = native_program(plan, algorithm, model, stream.size, stream.capacity, dense)
     words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None  # as the blocking call keys it
