@@ -143,11 +143,11 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::AnyBuffer val, ffi::BufferR0<
                    int64_t result, int64_t algorithm, ffi::Span<const int64_t> signature, int64_t hash,
                    std::string_view fields, int64_t rejected, int64_t residual, double divisor) {
   if (!ValueType(val) || !ValueType(*rval)) return kValueType;
-  sparcml::Channels& channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
-  ProgramArgs args = MakeArgs(channels.blocking, channels.blocking_calls++, false, n, delta, program, result, algorithm,
+  std::shared_ptr<sparcml::Channels> channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
+  ProgramArgs args = MakeArgs(channels->blocking, channels->blocking_calls++, false, n, delta, program, result, algorithm,
                               signature, hash, fields, rejected, key);
   args.residual_register = residual;
-  int rank = RankOf(channels.blocking);
+  int rank = RankOf(channels->blocking);
   std::string input_error;
   int64_t count = nnz.typed_data()[0];
   sparcml::Scratch<float> widened, staged;
@@ -179,6 +179,7 @@ ffi::Error RunImpl(ffi::Buffer<ffi::S32> idx, ffi::AnyBuffer val, ffi::BufferR0<
 // --- the progress engine: one background thread per process runs the jobs in submission order.
 struct Job {
   int32_t id = 0;
+  std::shared_ptr<sparcml::Channels> channels;  // alive until the job is waited on
   ProgramArgs args;
   sparcml::Scratch<int32_t> idx;
   sparcml::Scratch<float> val;
@@ -271,13 +272,13 @@ ffi::Error StartImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::
         "sparse_allreduce_start needs MPI initialised with MPI_THREAD_MULTIPLE (mpi4py's default; do not lower "
         "mpi4py.rc.thread_level)");
   // Runs on the calling (XLA) thread, in program order: the job's tag is taken here.
-  sparcml::Channels& channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
   auto job = std::make_unique<Job>();
-  job->args = MakeArgs(channels.engine, channels.engine_calls++, true, n, delta, program, result, algorithm, signature,
+  job->channels = sparcml::ChannelsOf(sparcml::CommFromF(comm));
+  job->args = MakeArgs(job->channels->engine, job->channels->engine_calls++, true, n, delta, program, result, algorithm, signature,
                        hash, fields, rejected, key);
   int64_t count = nnz.typed_data()[0];
   int64_t capacity = sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n);
-  job->input = InputStream(idx.typed_data(), val.typed_data(), count, capacity, n, RankOf(channels.engine),
+  job->input = InputStream(idx.typed_data(), val.typed_data(), count, capacity, n, RankOf(job->channels->engine),
                            &job->input_error);
   if (!job->input_error.empty()) count = 0;
   bool dense = count == n;

@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <map>
 #include <mutex>
 #include <thread>
 
@@ -60,18 +59,44 @@ int64_t DenseThreshold(int64_t size, double delta) {
   return std::max<int64_t>(1, static_cast<int64_t>(threshold));
 }
 
-Channels& ChannelsOf(MPI_Comm user) {
+Channels::~Channels() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  if (blocking != MPI_COMM_NULL) MPI_Comm_free(&blocking);
+  if (engine != MPI_COMM_NULL) MPI_Comm_free(&engine);
+}
+
+namespace {
+
+int DropChannels(MPI_Comm, int, void* attribute, void*) {
+  delete static_cast<std::shared_ptr<Channels>*>(attribute);
+  return MPI_SUCCESS;
+}
+
+int ChannelsKeyval() {
+  static const int keyval = [] {
+    int k = MPI_KEYVAL_INVALID;
+    MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, DropChannels, &k, nullptr);
+    return k;
+  }();
+  return keyval;
+}
+
+}  // namespace
+
+std::shared_ptr<Channels> ChannelsOf(MPI_Comm user) {
   static std::mutex mu;
-  static std::map<MPI_Comm, Channels>* channels = new std::map<MPI_Comm, Channels>();  // kept until exit
   std::lock_guard<std::mutex> lock(mu);
-  auto found = channels->find(user);
-  if (found == channels->end()) {
-    Channels c{MPI_COMM_NULL, MPI_COMM_NULL, 0, 0};
-    MPI_Comm_dup(user, &c.blocking);
-    MPI_Comm_dup(user, &c.engine);
-    found = channels->emplace(user, c).first;
-  }
-  return found->second;
+  void* attribute = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(user, ChannelsKeyval(), &attribute, &found);
+  if (found) return *static_cast<std::shared_ptr<Channels>*>(attribute);
+  auto channels = std::make_shared<Channels>();
+  MPI_Comm_dup(user, &channels->blocking);
+  MPI_Comm_dup(user, &channels->engine);
+  MPI_Comm_set_attr(user, ChannelsKeyval(), new std::shared_ptr<Channels>(channels));
+  return channels;
 }
 
 std::vector<std::string> SplitFieldNames(std::string_view names) {

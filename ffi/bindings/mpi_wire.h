@@ -111,11 +111,18 @@ inline MPI_Comm CommFromF(int64_t handle) { return MPI_Comm_f2c(static_cast<MPI_
 // The two private duplicates of a user communicator: one for calls that run on the calling
 // thread, one for the progress engine's thread, so that their messages never meet. Both are made
 // by the first call of either kind on the communicator (a collective call, in program order).
+// They are cached as an attribute of the user's communicator, not by its handle: MPI reuses a
+// freed communicator's handle, and a later communicator must not inherit its group. Freeing the
+// user's communicator drops the attribute; the duplicates are freed once no call holds them.
 struct Channels {
-  MPI_Comm blocking, engine;
-  int64_t blocking_calls, engine_calls;
+  MPI_Comm blocking = MPI_COMM_NULL, engine = MPI_COMM_NULL;
+  int64_t blocking_calls = 0, engine_calls = 0;
+  Channels() = default;
+  Channels(const Channels&) = delete;
+  Channels& operator=(const Channels&) = delete;
+  ~Channels();
 };
-Channels& ChannelsOf(MPI_Comm user);
+std::shared_ptr<Channels> ChannelsOf(MPI_Comm user);
 
 // The static signature of a call, as ranks compare it: named int64 fields (doubles stored bit
 // for bit) and their hash, which travels in every header.

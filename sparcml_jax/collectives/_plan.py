@@ -9,6 +9,8 @@ from typing import Callable, Hashable, NamedTuple
 import jax
 from mpi4py import MPI
 
+from sparcml_jax.comm import communicator_id
+
 # Every algorithm is a module of this package named after it, holding its one definition under
 # that name; its index here is its code in AllreduceStats.algorithm.
 ALGORITHMS = ("dense", "ssar_recursive_doubling", "ssar_split_allgather", "dsar_split_allgather", "sparse_ring")
@@ -44,20 +46,20 @@ class Quantization:
 class Plan:
     """One call's static choices, over an MPI communicator or a mesh axis (``axis_name``, of
     ``axis_size`` devices, with ``comm`` None). mpi4py communicators are unhashable: plans hash
-    and compare by the communicator's handle."""
+    and compare by :func:`~sparcml_jax.comm.communicator_id`."""
 
     comm: MPI.Comm | None = dataclasses.field(compare=False, hash=False)
     transport: str
     delta: float
     quantize: Quantization | None = None
     value_bits: int = 32  # of the values on the wire: 16 for bfloat16
-    comm_handle: int = -1
+    comm_id: int = -1
     axis_name: Hashable | None = None
     axis_size: int = 0
 
     def __post_init__(self):
         if self.comm is not None:
-            object.__setattr__(self, "comm_handle", self.comm.py2f())
+            object.__setattr__(self, "comm_id", communicator_id(self.comm))
 
     @property
     def rank(self) -> int:

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives._plan import Plan
 from sparcml_jax.collectives.cost_model import CostModel
-from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS
+from sparcml_jax.comm import STATIC_BUFFER_TRANSPORTS, communicator_id
 from sparcml_jax.comm._compat import outside_trace
 from sparcml_jax.stream import can_switch_to_dense, dense_threshold
 
@@ -87,7 +87,7 @@ def choice_table(model: CostModel, plan: Plan, size: int, capacity: int, dense: 
 
 def calibrates(comm: MPI.Comm, given: CostModel | None = None) -> bool:
     """Whether :func:`cost_model_for` will measure on ``comm`` (a collective call on every rank)."""
-    return given is None and not os.environ.get(COST_MODEL_ENV) and comm.py2f() not in _calibrated
+    return given is None and not os.environ.get(COST_MODEL_ENV) and communicator_id(comm) not in _calibrated
 
 
 def cost_model_for(comm: MPI.Comm, given: CostModel | None = None) -> CostModel:
@@ -97,7 +97,7 @@ def cost_model_for(comm: MPI.Comm, given: CostModel | None = None) -> CostModel:
     path = os.environ.get(COST_MODEL_ENV)
     if path:
         return CostModel.load(path)
-    key = comm.py2f()
+    key = communicator_id(comm)
     if key not in _calibrated:
         _calibrated[key] = outside_trace(lambda: CostModel.calibrate(comm))
     return _calibrated[key]

@@ -19,6 +19,7 @@ estimate); algorithms only pass them on.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Literal, Protocol, Sequence, TypeVar
 
 from mpi4py import MPI
@@ -160,3 +161,21 @@ def resolve_comm(comm: MPI.Comm | None) -> MPI.Comm:
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
     return comm
+
+
+_IDENTITY = MPI.Comm.Create_keyval()  # not copied by Dup: a duplicate is another communicator
+_identities = itertools.count()
+
+
+def communicator_id(comm: MPI.Comm) -> int:
+    """A number naming ``comm`` while it exists, never given to another communicator.
+
+    Per-communicator caches (compiled programs, ``auto``'s cost model) key on it rather than on
+    the handle: MPI hands a freed communicator's handle to a later one, whose group may differ.
+    The native engine caches its channels the same way, as an attribute of the communicator.
+    """
+    identity = comm.Get_attr(_IDENTITY)
+    if identity is None:
+        identity = next(_identities)
+        comm.Set_attr(_IDENTITY, identity)
+    return identity

@@ -276,6 +276,49 @@ def test_nonzeros_allreduce_inside_user_jit():
               "nonzeros_allreduce under jit")
 
 
+@pytest.mark.skipif(NPROCS < 2, reason="one process has one group")
+def test_a_communicator_on_a_freed_ones_handle_sums_over_its_own_group():
+    """MPI gives a freed communicator's handle to the next one (MPICH does at once), whose group
+    may differ: the native channels, the compiled programs and auto's model must not carry over."""
+    from sparcml_jax.collectives import auto
+    from sparcml_jax.comm import communicator_id
+
+    n = 16
+    x = np.zeros(n, np.float32)
+    x[RANK % n] = RANK + 1
+    stream = from_dense(jnp.asarray(x))
+
+    def sums(comm, expected):
+        failures = []
+        for transport in TRANSPORTS:
+            out = sparse_allreduce(stream, comm=comm, transport=transport, algorithm="ssar_recursive_doubling")
+            if not np.array_equal(np.asarray(out.to_dense()), expected):
+                failures.append(f"{transport}: {np.asarray(out.to_dense()).tolist()}, expected {expected.tolist()}")
+        started = sparse_allreduce_wait(sparse_allreduce_start(stream, comm=comm, algorithm="ssar_recursive_doubling"))
+        if not np.array_equal(np.asarray(started.to_dense()), expected):
+            failures.append(f"non-blocking: {np.asarray(started.to_dense()).tolist()}")
+        return failures
+
+    def group_sum(comm):
+        return np.sum(comm.allgather(x), axis=0)
+
+    def run():
+        first = COMM.Dup()
+        failures = sums(first, group_sum(first))
+        first_id = communicator_id(first)
+        auto.cost_model_for(first, CostModel(alpha=1e-6, beta=1e-9))  # (given: nothing cached)
+        first.Free()
+        second = COMM.Split(RANK % 2, RANK)  # {even ranks}, {odd ranks}: not the freed group
+        try:
+            if communicator_id(second) == first_id:
+                failures.append("the new communicator took the freed one's identity")
+            return failures + [f"new group: {f}" for f in sums(second, group_sum(second))]
+        finally:
+            second.Free()
+
+    run_and_agree(run, "a communicator on a freed one's handle")
+
+
 def compare_with_explicit(label: str, inp: Inputs, transport: str, chosen: str, out: SparseStream, stats) -> list[str]:
     try:
         ref, ref_stats = sparse_allreduce(inp.stream, algorithm=chosen, transport=transport, return_stats=True)
