@@ -157,12 +157,27 @@ def _scalar_state(count: int) -> optax.GradientTransformation:
                                         lambda updates, state, params=None: (updates, tuple(x + 1 for x in state)))
 
 
+def _one_float_allreduce(nprocs: int) -> optax.GradientTransformation:
+    """Passes updates through (times the mean of a one on every rank) after an allreduce of one
+    float: what JAX adds to any step that makes an MPI call, without its data. The call's ordered
+    effect takes JAX's Python dispatch path, which handles every argument and result one by one,
+    and it waits for the slowest rank."""
+
+    def update_fn(updates, state, params=None):
+        one = sparcml_jax.dense_allreduce(jnp.ones(1, jnp.float32))[0] / nprocs
+        return jax.tree.map(lambda u: u * one, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
 def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     """An example's sparse step (``--model``; top-k ``--density`` + error feedback,
     ``--algorithm``, ``--bits`` QSGD; ``--density none``: the exact mode) taken apart: the model
     and optimizer alone, plus the selection and error feedback (the exact mode: the packing), plus
-    the collective (the whole step); the collective, the dense step's allreduce and QSGD's coding
-    alone; the dense step carrying as many scalar state leaves as the sparse transform's state."""
+    the collective (the whole step); the model and optimizer with an allreduce of one float (what
+    any step that communicates pays before its data); the collective, the dense step's allreduce
+    and QSGD's coding alone; the dense step carrying as many scalar state leaves as the sparse
+    transform's state."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_all, y_all, initial, make_step, fusing = _model(args.model)
     rng = np.random.default_rng(rank)
@@ -180,6 +195,7 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
                 "sparse step": sparse,
                 carrying: optax.chain(sparcml_jax.dense_allreduce_gradients(), _scalar_state(extra)),
                 "model and optimizer only": optax.identity(),
+                "model and optimizer + an allreduce of one float": _one_float_allreduce(nprocs),
                 "+ packing" if exact else "+ selection and error feedback": local}
     programs, calls = {}, {}
     for name, reducer in reducers.items():
