@@ -195,8 +195,8 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
                 "sparse step": sparse,
                 carrying: optax.chain(sparcml_jax.dense_allreduce_gradients(), _scalar_state(extra)),
                 "model and optimizer only": optax.identity(),
-                "model and optimizer + an allreduce of one float": _one_float_allreduce(nprocs),
-                "+ packing" if exact else "+ selection and error feedback": local}
+                "+ packing" if exact else "+ selection and error feedback": local,
+                "model and optimizer + an allreduce of one float": _one_float_allreduce(nprocs)}
     programs, calls = {}, {}
     for name, reducer in reducers.items():
         tx = optax.chain(reducer, optax.adam(1e-3))
