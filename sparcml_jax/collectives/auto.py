@@ -92,12 +92,9 @@ def calibrates(comm: MPI.Comm, given: CostModel | None = None) -> bool:
 
 def cost_model_for(comm: MPI.Comm, given: CostModel | None = None) -> CostModel:
     """The model ``auto`` chooses with on ``comm`` (see the module's docstring)."""
+    if calibrates(comm, given):
+        _calibrated[communicator_id(comm)] = outside_trace(lambda: CostModel.calibrate(comm))
     if given is not None:
         return given
     path = os.environ.get(COST_MODEL_ENV)
-    if path:
-        return CostModel.load(path)
-    key = communicator_id(comm)
-    if key not in _calibrated:
-        _calibrated[key] = outside_trace(lambda: CostModel.calibrate(comm))
-    return _calibrated[key]
+    return CostModel.load(path) if path else _calibrated[communicator_id(comm)]

@@ -280,7 +280,6 @@ def test_nonzeros_allreduce_inside_user_jit():
 def test_a_communicator_on_a_freed_ones_handle_sums_over_its_own_group():
     """MPI gives a freed communicator's handle to the next one (MPICH does at once), whose group
     may differ: the native channels, the compiled programs and auto's model must not carry over."""
-    from sparcml_jax.collectives import auto
     from sparcml_jax.comm import communicator_id
 
     n = 16
@@ -306,7 +305,6 @@ def test_a_communicator_on_a_freed_ones_handle_sums_over_its_own_group():
         first = COMM.Dup()
         failures = sums(first, group_sum(first))
         first_id = communicator_id(first)
-        auto.cost_model_for(first, CostModel(alpha=1e-6, beta=1e-9))  # (given: nothing cached)
         first.Free()
         second = COMM.Split(RANK % 2, RANK)  # {even ranks}, {odd ranks}: not the freed group
         try:
