@@ -79,7 +79,8 @@ from sparcml_jax.collectives.group import Group, check_group
 from sparcml_jax.collectives.validate import wire_bits
 from sparcml_jax.comm._compat import varying_axes
 from sparcml_jax.kernels._common import cond_varying
-from sparcml_jax.kernels.partition import from_dense, from_dense_counted, scatter_add
+from sparcml_jax.kernels.partition import (from_dense, from_dense_counted, pack, scatter_add, to_dense_parts,
+                                           unpack)
 from sparcml_jax import sparsifiers
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax.stream import VALUE_DTYPE, SparseStream, append_dense, dense_stream, resize, with_indices
@@ -523,10 +524,9 @@ def _with_small(vector: Any, stream: SparseStream | None, dense: list) -> tuple[
 
 def _without_small(total: Any, dense: list) -> tuple[jax.Array, list]:
     """The first fused buffer's sum (dense: its leaves are densified next) and the small leaves'."""
-    total = total.to_dense() if is_stream(total) else total
-    m = sum(jnp.size(x) for x in dense)
-    n = total.shape[0] - m
-    return total[:n], split_like(total[n:], shapes_and_dtypes(dense))
+    size, dtype = (total.size, VALUE_DTYPE) if is_stream(total) else (total.shape[0], total.dtype)
+    first, *small = split_like(total, [((size - sum(jnp.size(x) for x in dense),), dtype), *shapes_and_dtypes(dense)])
+    return first, small
 
 
 def _replace_parts(tree: Any, dense: list, streams: list) -> Any:
@@ -549,31 +549,19 @@ def dense_sum(leaves: list, group: Group, average: bool) -> list:
 
 def join_flat(leaves: list, dtype: Any) -> jax.Array:
     """The leaves raveled and concatenated into one ``dtype`` vector (:func:`split_like` cuts it back)."""
-    parts = [jnp.ravel(jnp.asarray(x, dtype)) for x in leaves]
-    total = sum(x.shape[0] for x in parts)
-    if total >= 2**31:  # the offsets of dynamic_update_slice are int32
-        return jnp.concatenate(parts)
-    # In place, leaf by leaf: XLA:CPU fuses the ravel of a matrix into a concatenate and then
-    # emits it element by element, 2.5-3x the time (the digits MLP's six leaves: 185 against 75 us).
-    out, offset = jnp.zeros((total,), dtype), 0
-    for x in parts:
-        out = jax.lax.dynamic_update_slice(out, x, (offset,))
-        offset += x.shape[0]
-    return out
+    return pack([jnp.ravel(jnp.asarray(x, dtype)) for x in leaves])
 
 
 def shapes_and_dtypes(leaves: list) -> list[tuple[tuple[int, ...], Any]]:
     return [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
 
 
-def split_like(flat: jax.Array, like: list[tuple[tuple[int, ...], Any]]) -> list:
-    """``flat`` cut into consecutive pieces of the (shape, dtype) pairs ``like``, each reshaped and cast."""
-    out, offset = [], 0
-    for shape, dtype in like:
-        size = math.prod(shape)
-        out.append(flat[offset:offset + size].reshape(shape).astype(dtype))
-        offset += size
-    return out
+def split_like(flat: Any, like: list[tuple[tuple[int, ...], Any]]) -> list:
+    """``flat`` (a vector, or a stream of one) cut into consecutive pieces of the (shape, dtype)
+    pairs ``like``, each reshaped and cast."""
+    sizes = [math.prod(shape) for shape, _ in like]
+    pieces = to_dense_parts(flat, sizes) if is_stream(flat) else unpack(flat, sizes)
+    return [piece.reshape(shape).astype(dtype) for piece, (shape, dtype) in zip(pieces, like)]
 
 
 def _prepare(x: Any, warming: jax.Array | None, capacity: int | None, group: Group, nonblocking: bool):

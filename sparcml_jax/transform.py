@@ -127,9 +127,8 @@ class LeafGroups:
         for i, x in zip(self.plan.small, self.dense):
             out[i] = x
         for group, x in zip(self.plan.groups, self.fused):
-            flat = x.to_dense() if is_stream(x) else x
             like = [self.like[i] if cast else (self.like[i][0], VALUE_DTYPE) for i in group]
-            for i, piece in zip(group, split_like(flat, like)):
+            for i, piece in zip(group, split_like(x, like)):
                 out[i] = piece
         for i, s in zip(self.plan.streams, self.given):
             out[i] = s

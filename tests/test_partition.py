@@ -1,4 +1,5 @@
-"""from_dense, coalesce, to_dense, scatter_add, partition_bounds, split and gather: C kernels vs jnp references vs numpy."""
+"""from_dense, coalesce, to_dense, scatter_add, partition_bounds, split, gather, pack, unpack and
+to_dense_parts: C kernels vs jnp references vs numpy."""
 
 import doctest
 import functools
@@ -20,13 +21,19 @@ from sparcml_jax.kernels.partition import (
     from_dense_reference,
     gather,
     gather_reference,
+    pack,
+    pack_reference,
     partition_bounds,
     scatter_add,
     scatter_add_reference,
     split,
     split_reference,
     to_dense,
+    to_dense_parts,
+    to_dense_parts_reference,
     to_dense_reference,
+    unpack,
+    unpack_reference,
 )
 
 ERRORS = (ValueError, RuntimeError)
@@ -586,6 +593,74 @@ def test_gather_static_errors():
         gather(jnp.zeros(4), jnp.zeros(2, jnp.int32), 1.0)
 
 
+# ------------------------------------------------------------------ pack / unpack / to_dense_parts
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("sizes", [[0], [5], [3, 0, 4], [0, 0], [4096, 1, 8193], [1] * 40])
+def test_pack_and_unpack_match_numpy_and_reference(sizes, dtype):
+    rng = np.random.default_rng(sum(sizes) + len(sizes))
+    parts = [jnp.asarray(rng.integers(-99, 99, m), dtype) for m in sizes]
+    want = np.concatenate([np.asarray(p) for p in parts])
+    flat = jax.jit(pack)(parts)
+    assert flat.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(flat), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda ps: pack_reference(*ps))(parts)), want)
+    for cut in (jax.jit(unpack, static_argnums=1)(flat, tuple(sizes)), unpack_reference(flat, sizes)):
+        assert [p.shape for p in cut] == [(m,) for m in sizes] and all(p.dtype == dtype for p in cut)
+        for got, part in zip(cut, parts):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(part))
+
+
+def test_pack_and_unpack_vmap():
+    rows = [jnp.arange(6.0).reshape(2, 3), jnp.arange(8.0).reshape(2, 4) + 100]
+    flat = jax.vmap(lambda a, b: pack([a, b]))(*rows)
+    np.testing.assert_array_equal(np.asarray(flat), np.concatenate([np.asarray(r) for r in rows], axis=1))
+    a, b = jax.vmap(lambda f: tuple(unpack(f, [3, 4])))(flat)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(rows[0]))
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(rows[1]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=6).flatmap(
+    lambda sizes: st.tuples(st.just(sizes), st.floats(0.0, 1.0), st.integers(0, 2**16))))
+def test_to_dense_parts_matches_numpy_and_reference(case):
+    # Pieces of every length, empty ones included, whose supports cross the kernel's 4096-entry
+    # blocks and the pieces' own bounds, from empty to every entry (the dense form).
+    sizes, density, seed = case
+    size = sum(sizes)
+    rng = np.random.default_rng(seed)
+    s = random_stream(rng, size, int(density * size), capacity=size + 2)
+    want = np.split(np_dense_of(s), np.cumsum(sizes)[:-1])
+    for got in (jax.jit(to_dense_parts, static_argnums=1)(s, tuple(sizes)), to_dense_parts_reference(s, sizes)):
+        assert [p.shape for p in got] == [(m,) for m in sizes]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_to_dense_parts_of_dense_streams():
+    x = np.arange(1, 8, dtype=np.float32)
+    for s in (dense_stream(x), dense_stream(x, capacity=9), SparseStream.dense(jnp.asarray(x))):
+        a, b = to_dense_parts(s, [3, 4])
+        np.testing.assert_array_equal(np.asarray(a), x[:3])
+        np.testing.assert_array_equal(np.asarray(b), x[3:])
+
+
+def test_pack_unpack_and_to_dense_parts_static_errors():
+    with pytest.raises(TypeError, match=r"pack: parts\[1\] has dtype bfloat16, parts\[0\] float32; convert"):
+        pack([jnp.zeros(2), jnp.zeros(2, jnp.bfloat16)])
+    with pytest.raises(ValueError, match=r"pack: parts\[0\] must be a 1-D vector, got shape \(2, 2\); flatten"):
+        pack([jnp.zeros((2, 2))])
+    with pytest.raises(ValueError, match="pack: parts is empty"):
+        pack([])
+    with pytest.raises(ValueError, match=r"unpack: flat must be a vector of sum\(sizes\) = 4 entries, got shape \(5,\)"):
+        unpack(jnp.zeros(5), [1, 3])
+    with pytest.raises(ValueError, match="sizes must be non-negative static ints"):
+        unpack(jnp.zeros(2), [3, -1])
+    with pytest.raises(ValueError, match="to_dense_parts: sizes sum to 9, but the stream describes a vector of 10"):
+        to_dense_parts(make_stream([1], [1.0], 10), [4, 5])
+
+
 # ------------------------------------------------------------------ run-time stream validation
 
 
@@ -620,6 +695,9 @@ def test_bad_streams_raise_at_run_time(case):
     for _ in range(2):
         with pytest.raises(ERRORS, match=match):
             jax.jit(split, static_argnums=1)(bad, 3).block_until_ready()
+    if not bad.dense_by_construction:
+        with pytest.raises(ERRORS, match=match):
+            jax.block_until_ready(jax.jit(to_dense_parts, static_argnums=1)(bad, (4, 0, 6)))
 
 
 @pytest.mark.parametrize("indices,nnz,match", [

@@ -1,6 +1,8 @@
 #include "ffi_common.h"
 #include "partition.h"
 
+#include <vector>
+
 namespace {
 
 ffi::Error FromDenseImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out_idx,
@@ -54,6 +56,52 @@ ffi::Error ToDenseImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi
   int status = sparcml_to_dense(idx.typed_data(), val.typed_data(), count,
                                 sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n), n,
                                 out->typed_data(), err);
+  return sparcml::KernelError(status, err);
+}
+
+ffi::Error PackImpl(ffi::RemainingArgs parts, ffi::Result<ffi::AnyBuffer> out) {
+  std::vector<const void*> data(parts.size());
+  std::vector<int64_t> bytes(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto part = parts.get<ffi::AnyBuffer>(i);
+    if (!part.has_value()) return part.error();
+    data[i] = part->untyped_data();
+    bytes[i] = static_cast<int64_t>(part->size_bytes());
+  }
+  sparcml_pack(data.data(), bytes.data(), static_cast<int64_t>(data.size()), out->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error UnpackImpl(ffi::AnyBuffer in, ffi::RemainingRets parts) {
+  std::vector<void*> data(parts.size());
+  std::vector<int64_t> bytes(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto part = parts.get<ffi::AnyBuffer>(i);
+    if (!part.has_value()) return part.error();
+    data[i] = (*part)->untyped_data();
+    bytes[i] = static_cast<int64_t>((*part)->size_bytes());
+  }
+  sparcml_unpack(in.untyped_data(), data.data(), bytes.data(), static_cast<int64_t>(data.size()));
+  return ffi::Error::Success();
+}
+
+ffi::Error ToDensePartsImpl(ffi::Buffer<ffi::S32> idx, ffi::Buffer<ffi::F32> val, ffi::BufferR0<ffi::S32> nnz,
+                            ffi::RemainingRets parts) {
+  std::vector<float*> data(parts.size());
+  std::vector<int64_t> sizes(parts.size());
+  int64_t n = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    auto part = parts.get<ffi::Buffer<ffi::F32>>(i);
+    if (!part.has_value()) return part.error();
+    data[i] = (*part)->typed_data();
+    sizes[i] = static_cast<int64_t>((*part)->element_count());
+    n += sizes[i];
+  }
+  char err[SPARCML_ERRLEN] = {0};
+  int64_t count = nnz.typed_data()[0];
+  int status = sparcml_to_dense_parts(idx.typed_data(), val.typed_data(), count,
+                                      sparcml::StreamCapacity(idx.element_count(), val.element_count(), count, n), n,
+                                      data.data(), sizes.data(), static_cast<int64_t>(data.size()), err);
   return sparcml::KernelError(status, err);
 }
 
@@ -121,6 +169,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlToDense, ToDenseImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlPack(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlPack, PackImpl, ffi::Ffi::Bind().RemainingArgs().Ret<ffi::AnyBuffer>());
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlUnpack(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlUnpack, UnpackImpl, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().RemainingRets());
+
+SPARCML_EXPORT XLA_FFI_Error* SparcmlToDenseParts(XLA_FFI_CallFrame*);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlToDenseParts, ToDensePartsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .RemainingRets());
 
 SPARCML_EXPORT XLA_FFI_Error* SparcmlSplit(XLA_FFI_CallFrame*);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparcmlSplit, SplitImpl,

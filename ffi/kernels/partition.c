@@ -189,18 +189,55 @@ int sparcml_to_dense(const int32_t *idx, const float *val, int64_t nnz, int64_t 
   return 0;
 }
 
+/* out[0..n) = the pairs' values at idx - lo, zeros elsewhere (every idx in [lo, lo + n)). */
+static void densify_range(const int32_t *idx, const float *val, int64_t nnz, int64_t lo, int64_t n, float *out) {
+  enum { BLOCK = 4096 }; /* floats: a block stays in L1 between its zero-fill and its scatter */
+  int64_t j = 0;
+  for (int64_t at = 0; at < n; at += BLOCK) {
+    int64_t hi = at + BLOCK < n ? at + BLOCK : n;
+    memset(out + at, 0, (size_t)(hi - at) * sizeof(float));
+    for (; j < nnz && idx[j] - lo < hi; ++j) out[idx[j] - lo] = val[j];
+  }
+}
+
 void sparcml_densify(const int32_t *idx, const float *val, int64_t nnz, int64_t n, float *out) {
   if (nnz == n) {
     if (n > 0 && out != val) memcpy(out, val, (size_t)n * sizeof(float));
     return;
   }
-  enum { BLOCK = 4096 }; /* floats: a block stays in L1 between its zero-fill and its scatter */
-  int64_t j = 0;
-  for (int64_t lo = 0; lo < n; lo += BLOCK) {
-    int64_t hi = lo + BLOCK < n ? lo + BLOCK : n;
-    memset(out + lo, 0, (size_t)(hi - lo) * sizeof(float));
-    for (; j < nnz && idx[j] < hi; ++j) out[idx[j]] = val[j];
+  densify_range(idx, val, nnz, 0, n, out);
+}
+
+void sparcml_pack(const void *const *parts, const int64_t *bytes, int64_t count, void *out) {
+  char *at = out;
+  for (int64_t i = 0; i < count; ++i) {
+    if (bytes[i] > 0) memcpy(at, parts[i], (size_t)bytes[i]);
+    at += bytes[i];
   }
+}
+
+void sparcml_unpack(const void *in, void *const *parts, const int64_t *bytes, int64_t count) {
+  const char *at = in;
+  for (int64_t i = 0; i < count; ++i) {
+    if (bytes[i] > 0) memcpy(parts[i], at, (size_t)bytes[i]);
+    at += bytes[i];
+  }
+}
+
+int sparcml_to_dense_parts(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, int64_t n,
+                           float *const *parts, const int64_t *sizes, int64_t count, char *err) {
+  if (sparcml_check_stream("stream", idx, nnz, cap, n, err)) return 1;
+  int64_t lo = 0, j = 0;
+  for (int64_t i = 0; i < count; lo += sizes[i], ++i) {
+    if (nnz == n) {
+      if (sizes[i] > 0) memcpy(parts[i], val + lo, (size_t)sizes[i] * sizeof(float));
+      continue;
+    }
+    int64_t first = j; /* idx is sorted: this piece's pairs are the next run */
+    while (j < nnz && idx[j] < lo + sizes[i]) ++j;
+    densify_range(idx + first, val + first, j - first, lo, sizes[i], parts[i]);
+  }
+  return 0;
 }
 
 int64_t sparcml_part_start(int64_t n, int64_t parts, int64_t r) { return r >= parts ? n : r * (n / parts); }

@@ -54,6 +54,20 @@ void sparcml_densify(const int32_t *idx, const float *val, int64_t nnz, int64_t 
 int sparcml_to_dense(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, int64_t n, float *out,
                      char *err);
 
+/* The count byte ranges parts[i][0..bytes[i]) laid end to end in out: the fused buffer of a
+ * gradient's leaves. One memcpy per leaf, on the calling thread (XLA:CPU emits a concatenation
+ * of reshaped leaves element by element, and splits larger loops across its thread pool). */
+void sparcml_pack(const void *const *parts, const int64_t *bytes, int64_t count, void *out);
+
+/* The inverse of sparcml_pack: in cut into the count ranges parts[i][0..bytes[i]). */
+void sparcml_unpack(const void *in, void *const *parts, const int64_t *bytes, int64_t count);
+
+/* The stream (over a length-n vector, n = sum of sizes) written as the count consecutive
+ * pieces parts[i][0..sizes[i]): sparcml_densify into the leaves themselves, without the
+ * length-n vector in between. The stream is checked first (nonzero on error, message in err). */
+int sparcml_to_dense_parts(const int32_t *idx, const float *val, int64_t nnz, int64_t cap, int64_t n,
+                           float *const *parts, const int64_t *sizes, int64_t count, char *err);
+
 /* First index of part r when [0, n) is split into parts ranges: part r covers
  * [r * (n / parts), (r + 1) * (n / parts)), the last part also takes the remainder.
  * Defined for 0 <= r <= parts (r == parts gives n). */

@@ -7,6 +7,8 @@
   ranges (the last takes the remainder) and, for a stream, which of its pairs fall in each range.
   This is the split phase of ``SSAR_Split_allgather`` and ``DSAR_Split_allgather``.
 * :func:`gather`: a stream of the entries of a dense vector at a sorted support.
+* :func:`pack` / :func:`unpack` / :func:`to_dense_parts`: a gradient's leaves <-> the one flat
+  buffer its collective takes, and a summed stream straight into the leaves.
 
 Each kernel runs in C on CPU and has a pure-jnp ``*_reference`` used on other platforms and in
 tests. Static arguments are checked at trace time; stream contents (sorted, in range, nnz within
@@ -15,7 +17,7 @@ capacity) are checked at run time by the C kernels, whose errors name the argume
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,9 @@ _SCATTER_ADD = "sparcml_scatter_add"
 _TO_DENSE = "sparcml_to_dense"
 _SPLIT = "sparcml_split"
 _GATHER = "sparcml_gather"
+_PACK = "sparcml_pack"
+_UNPACK = "sparcml_unpack"
+_TO_DENSE_PARTS = "sparcml_to_dense_parts"
 
 
 def _check_count(value: Any, name: str, minimum: int) -> int:
@@ -338,6 +343,125 @@ def to_dense(stream: SparseStream) -> jax.Array:
 def to_dense_reference(stream: SparseStream) -> jax.Array:
     """Pure-jnp :func:`to_dense` (no validation; pairs past ``nnz`` are ignored)."""
     return scatter_add_reference(stream, jnp.zeros((stream.size,), VALUE_DTYPE))
+
+
+# --------------------------------------------------------------------------------------------
+# pack / unpack / to_dense_parts
+#
+# XLA:CPU joins reshaped leaves element by element and splits larger loops across its thread
+# pool; a step that packs a model's gradient, and cuts the sum back, pays that twice. These are
+# one memcpy per leaf on the calling thread.
+
+
+def pack(parts: Sequence[jax.Array]) -> jax.Array:
+    """The 1-D ``parts`` (all of one dtype) laid end to end: ``jnp.concatenate(parts)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax.kernels.partition import pack
+      >>> pack([jnp.array([1.0, 2.0]), jnp.zeros(0), jnp.array([3.0])]).tolist()
+      [1.0, 2.0, 3.0]
+    """
+    parts = _check_parts(parts)
+
+    def ffi_impl(*parts):
+        _lib.register_cpu_target(_PACK, "SparcmlPack")
+        out = jax.ShapeDtypeStruct((sum(p.shape[0] for p in parts),), parts[0].dtype)
+        return jax.ffi.ffi_call(_PACK, out, vmap_method="sequential")(*parts)
+
+    return on_cpu_or_reference(ffi_impl, pack_reference, *parts)
+
+
+def pack_reference(*parts: jax.Array) -> jax.Array:
+    """Pure-jnp :func:`pack`."""
+    return jnp.concatenate(parts)
+
+
+def unpack(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    """``flat`` cut into consecutive 1-D pieces of ``sizes`` entries (the inverse of :func:`pack`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax.kernels.partition import unpack
+      >>> [p.tolist() for p in unpack(jnp.arange(5.0), [2, 0, 3])]
+      [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
+    """
+    flat = jnp.asarray(flat)
+    sizes = _check_sizes(sizes, "sizes")
+    if flat.ndim != 1 or flat.shape[0] != sum(sizes):
+        raise ValueError(f"unpack: flat must be a vector of sum(sizes) = {sum(sizes)} entries, got shape "
+                         f"{flat.shape}; pass the sizes of the pieces it was packed from")
+    if not sizes:
+        return []
+
+    def ffi_impl(flat):
+        _lib.register_cpu_target(_UNPACK, "SparcmlUnpack")
+        out = [jax.ShapeDtypeStruct((m,), flat.dtype) for m in sizes]
+        return list(jax.ffi.ffi_call(_UNPACK, out, vmap_method="sequential")(flat))
+
+    return on_cpu_or_reference(ffi_impl, lambda flat: unpack_reference(flat, sizes), flat)
+
+
+def unpack_reference(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    """Pure-jnp :func:`unpack` (no validation)."""
+    offsets = np.cumsum([0, *sizes])
+    return [flat[offsets[i]:offsets[i + 1]] for i in range(len(sizes))]
+
+
+def to_dense_parts(stream: SparseStream, sizes: Sequence[int]) -> list[jax.Array]:
+    """``unpack(to_dense(stream), sizes)`` without the float32[size] vector in between: each
+    piece is zero-filled and takes its pairs one cache-sized block at a time.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from sparcml_jax import from_dense
+      >>> from sparcml_jax.kernels.partition import to_dense_parts
+      >>> s = from_dense(jnp.array([0., 2., 0., 5., 7.]), capacity=3)
+      >>> [p.tolist() for p in to_dense_parts(s, [2, 3])]
+      [[0.0, 2.0], [0.0, 5.0, 7.0]]
+    """
+    check_stream(stream, "stream")
+    sizes = _check_sizes(sizes, "sizes")
+    if sum(sizes) != stream.size:
+        raise ValueError(f"to_dense_parts: sizes sum to {sum(sizes)}, but the stream describes a vector of "
+                         f"{stream.size}; pass the sizes of the pieces of that vector")
+    if stream.dense_by_construction:
+        return unpack(stream.values, sizes)
+    if not sizes:
+        return []
+
+    def ffi_impl(stream):
+        _lib.register_cpu_target(_TO_DENSE_PARTS, "SparcmlToDenseParts")
+        out = [jax.ShapeDtypeStruct((m,), VALUE_DTYPE) for m in sizes]
+        return list(jax.ffi.ffi_call(_TO_DENSE_PARTS, out, vmap_method="sequential")(
+            stream.indices, stream.values, stream.nnz))
+
+    return on_cpu_or_reference(ffi_impl, lambda stream: to_dense_parts_reference(stream, sizes), stream)
+
+
+def to_dense_parts_reference(stream: SparseStream, sizes: Sequence[int]) -> list[jax.Array]:
+    """Pure-jnp :func:`to_dense_parts` (no validation; pairs past ``nnz`` are ignored)."""
+    return unpack_reference(to_dense_reference(stream), sizes)
+
+
+def _check_parts(parts: Sequence[jax.Array]) -> list[jax.Array]:
+    parts = [jnp.asarray(p) for p in parts]
+    if not parts:
+        raise ValueError("pack: parts is empty; pack at least one vector")
+    for i, p in enumerate(parts):
+        if p.ndim != 1:
+            raise ValueError(f"pack: parts[{i}] must be a 1-D vector, got shape {p.shape}; flatten it with .ravel()")
+        if p.dtype != parts[0].dtype:
+            raise TypeError(f"pack: parts[{i}] has dtype {p.dtype}, parts[0] {parts[0].dtype}; convert them to one "
+                            "dtype with .astype()")
+    return parts
+
+
+def _check_sizes(sizes: Sequence[int], name: str) -> list[int]:
+    sizes = list(sizes)
+    if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0 for m in sizes):
+        raise ValueError(f"{name} must be non-negative static ints, got {sizes}")
+    return [int(m) for m in sizes]
 
 
 # --------------------------------------------------------------------------------------------
