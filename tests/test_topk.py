@@ -58,9 +58,10 @@ def random_vector(rng, n, kind):
 KINDS = ["normal", "duplicates", "sparse", "close", "bfloat16", "special"]
 
 
-# Sizes straddle the kernel's internal regimes (small-n radix, full histogram, sampled floor).
+# Sizes straddle the kernel's internal regimes (small-n radix, sampled floor, full histogram when
+# the sample cannot help).
 # (Small n, k = 0 and k = n are covered by the property test and the edge-case tests below.)
-@pytest.mark.parametrize("n", [1000, 8192, 70001, 300000])
+@pytest.mark.parametrize("n", [1000, 8192, 37376, 70001, 300000])
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_oracle_and_reference(n, kind):
     rng = np.random.default_rng(n * 31 + KINDS.index(kind))
@@ -81,10 +82,10 @@ def _sample_positions(n):
     return (start[:, None] + np.arange(16, dtype=np.uint64)).ravel().astype(np.int64)
 
 
+@pytest.mark.parametrize("n", [1 << 13, 37376, 1 << 18])
 @pytest.mark.parametrize("layout", ["sample_overestimates", "sample_underestimates", "periodic", "clustered"])
-def test_structured_inputs_defeating_the_sample_stay_exact(layout):
+def test_structured_inputs_defeating_the_sample_stay_exact(layout, n):
     # Adversarial layouts for the kernel's sampled guess: the guess can only cost time.
-    n = 1 << 18
     rng = np.random.default_rng(7)
     x = rng.random(n, dtype=np.float32)
     if layout == "sample_overestimates":  # big values only where the kernel looks

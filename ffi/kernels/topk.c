@@ -15,9 +15,11 @@
  * holding T and the count of keys at or above that bucket's floor; pass 2 copies those candidates
  * (about k) out in index order; a histogram and two 8-bit radix levels over the candidates give T
  * and ties; pass 3 emits from the candidates.
- * Large n, fast path (n >= SAMPLE_MIN): a fixed 1/32 sample of x guesses the floor instead of
- * pass 1, so x is read about once. The guess is checked (at least k candidates, not more than the
- * buffer holds) and a bad guess falls back to the exact path: it can cost time, never exactness.
+ * Large n, fast path: a fixed 1/32 sample of x guesses the floor instead of pass 1, so x is
+ * read about once and the 512 KB of pass-1 tables are neither cleared nor summed (below 64k
+ * entries they cost more than the rest of the selection). The guess is checked (at least k
+ * candidates, not more than the buffer holds) and a bad guess falls back to the exact path: it
+ * can cost time, never exactness.
  * Small n: four radix levels (7+8+8+8 bits) over x itself, with 256-bin histograms that need no
  * heap, then one emitting scan. */
 
@@ -33,15 +35,24 @@ static inline uint32_t key_at(const float *x, int64_t i) {
 #define HI_TABLES 4           /* interleaved pass-1 tables: runs of equal keys do not serialise */
 #define SMALL_N (1 << 13)     /* below this, skip the pass-1 tables: their setup (~30 us) dominates */
 #define BLOCK 32              /* pass-1/2 block: skipped whole when all zero / without candidate */
-#define SAMPLE_MIN (1 << 16)  /* from here on, a sampled floor usually replaces the pass-1 histogram */
 #define SAMPLE_CHUNK 16       /* contiguous entries per sampled chunk (one cache line) */
 #define SAMPLE_STRIDE 512     /* one chunk per SAMPLE_STRIDE entries: a 1/32 sample */
 
 /* Walks bins from the top until the running count reaches need (1 <= need <= sum of hist).
- * Returns the crossing bin; *above receives the count strictly above it. */
+ * Returns the crossing bin; *above receives the count strictly
+ * above it. The empty top of the table is skipped a vector-wide block at a time: gradients' keys
+ * sit about halfway up it, and walking the empty bins one by one cost more than the rest of a
+ * selection of 37k entries. */
 static uint32_t crossing_bin(const uint32_t *hist, uint32_t bins, int64_t need, int64_t *above) {
+  enum { SKIP = 64 };
   int64_t acc = 0;
   uint32_t b = bins;
+  while (b >= SKIP) {
+    uint32_t any = 0;
+    for (uint32_t j = b - SKIP; j < b; ++j) any |= hist[j];
+    if (any) break;
+    b -= SKIP;
+  }
   while (b > 0) {
     --b;
     if (acc + hist[b] >= need) break;
@@ -258,13 +269,9 @@ static int sample_floor(const float *x, int64_t n, int64_t k, uint32_t *hist, ui
   const int64_t ks = k * size / n; /* the sample's expected rank of the k-th largest key */
   const int64_t want = ks + ks / 8 + 8 * isqrt(ks) + 16;
   if (want > size / 4) return 0;
-  int64_t acc = 0;
-  uint32_t b = HI_BINS;
-  while (b > 0) {
-    --b;
-    acc += hist[b];
-    if (acc >= want) break;
-  }
+  int64_t acc = 0; /* want <= size, the sample's count: the walk crosses it */
+  const uint32_t b = crossing_bin(hist, HI_BINS, want, &acc);
+  acc += hist[b];
   const int64_t estimate = acc * n / size;
   if (acc < want || 2 * estimate > n / 4) return 0;
   *floor_key = b << HI_SHIFT;
@@ -285,7 +292,7 @@ static int select_large(const float *x, int64_t n, int64_t k, int32_t *out_idx, 
   /* Fast path: a sampled floor saves the full histogram pass. */
   uint32_t floor_key = 0;
   int64_t cap = 0;
-  if (n >= SAMPLE_MIN && sample_floor(x, n, k, hist, &floor_key, &cap)) {
+  if (sample_floor(x, n, k, hist, &floor_key, &cap)) {
     ci = malloc((size_t)(cap + BLOCK) * sizeof(int32_t));
     cv = malloc((size_t)(cap + BLOCK) * sizeof(float));
     int64_t m = ci && cv ? compact(x, n, floor_key, ci, cv, cap) : -1;
