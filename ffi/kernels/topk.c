@@ -39,10 +39,9 @@ static inline uint32_t key_at(const float *x, int64_t i) {
 #define SAMPLE_STRIDE 512     /* one chunk per SAMPLE_STRIDE entries: a 1/32 sample */
 
 /* Walks bins from the top until the running count reaches need (1 <= need <= sum of hist).
- * Returns the crossing bin; *above receives the count strictly
- * above it. The empty top of the table is skipped a vector-wide block at a time: gradients' keys
- * sit about halfway up it, and walking the empty bins one by one cost more than the rest of a
- * selection of 37k entries. */
+ * Returns the crossing bin; *above receives the count strictly above it. The empty top of the
+ * table is skipped a vector-wide block at a time: gradients' keys sit about halfway up it, and
+ * walking the empty bins one by one cost more than the rest of a selection of 37k entries. */
 static uint32_t crossing_bin(const uint32_t *hist, uint32_t bins, int64_t need, int64_t *above) {
   enum { SKIP = 64 };
   int64_t acc = 0;
