@@ -22,7 +22,7 @@ from sparcml_jax.collectives import ALGORITHMS, CostModel
 from sparcml_jax.collectives._plan import GLOBAL_TOPK_ALGORITHMS
 from sparcml_jax.collectives.group import Group
 from sparcml_jax.collectives.validate import raised_everywhere, reject_everywhere
-from sparcml_jax.comm import resolve_comm
+from sparcml_jax.comm import native, resolve_comm
 from sparcml_jax.kernels._common import check_stream
 from sparcml_jax.sparsifiers import Sparsifier, resolve
 from sparcml_jax import sparsifiers, stages
@@ -305,6 +305,7 @@ def allreduce_gradients(
     teams: int | None = None,
     tau: int | None = None,
     tau_prime: int | None = None,
+    ordered: bool = True,
 ) -> optax.GradientTransformation:
     """Sums (or averages) gradients across the ranks of ``comm`` with sparse, quantized messages.
 
@@ -391,6 +392,17 @@ def allreduce_gradients(
         (default 1, the plain allgather); see :func:`sparcml_jax.global_topk_allreduce`.
       tau, tau_prime: ``algorithm="oktopk"`` only: steps between exact thresholds (default 128)
         and between re-balanced regions (default 64).
+      ordered: ``False``: the step's collective carries no JAX effect, so a jitted train step
+        whose only MPI call it is takes JAX's C++ dispatch path. Any effect sends every call of
+        the step through JAX's Python path, which handles each argument and result one by one:
+        about 1 ms per step for a small CNN with Adam, more than its whole sparse collective.
+        Nothing then orders the call against other MPI calls of the same program, so the step
+        must make no other (no mpi4jax call, no other collective of this package): the update
+        raises if it makes more than one itself, and cannot see the step's others. Programs are
+        ordered among themselves: a CPU device runs them in the order they were dispatched. One
+        collective per step only: SparCML's algorithms on the native transport over ``comm``,
+        without ``buckets``, ``capacity`` or ``quantize_feedback`` (the small leaves then ride in
+        the collective of the fused buffer).
 
     Numeric arguments left at ``None`` take their defaults, so ``optax.inject_hyperparams`` only
     injects what you pass; arguments that decide buffer shapes (``density``, ``k``,
@@ -432,6 +444,13 @@ def allreduce_gradients(
         if value is not None and algorithm != owner:
             raise ValueError(f"{name} is a keyword of algorithm={owner!r}, not of algorithm={algorithm!r}: drop {name} "
                              f"or pass algorithm={owner!r}")
+    if not ordered and (algorithm in GLOBAL_TOPK_ALGORITHMS or transport not in (None, "native")
+                        or axis_name is not None or buckets is not None or capacity is not None or quantize_feedback):
+        raise ValueError("ordered=False makes one unordered MPI call per step: it needs SparCML's algorithms on "
+                         "transport='native' over comm, without buckets, capacity or quantize_feedback (got "
+                         f"algorithm={algorithm!r}, transport={transport!r}, axis_name={axis_name!r}, "
+                         f"buckets={buckets!r}, capacity={capacity!r}, quantize_feedback={quantize_feedback!r}); "
+                         "drop ordered=False or those arguments")
     if algorithm in GLOBAL_TOPK_ALGORITHMS:
         _check_global_topk(algorithm, exact=exact, sparsifier=sparsifier, quantize_bits=quantize_bits,
                            quantize_feedback=quantize_feedback or None, value_dtype=value_dtype, bucket_size=bucket_size,
@@ -479,7 +498,8 @@ def allreduce_gradients(
             state = (first._replace(residual=_fused_residual(first.residual, planned)), *state[1:])
         return state
 
-    return _with_param_checks(chained, from_older, comm=comm, axis_name=axis_name, buckets=buckets is not None)
+    return _with_param_checks(chained, from_older, comm=comm, axis_name=axis_name, buckets=buckets is not None,
+                              ordered=ordered)
 
 
 def _per_leaf(residual: Any, updates: Any) -> bool:
@@ -498,9 +518,10 @@ def _init_on_packed(tx: optax.GradientTransformation, fused: optax.GradientTrans
 
 
 def _with_param_checks(chained: optax.GradientTransformation, from_older=None, *, comm: MPI.Comm | None = None,
-                       axis_name: Hashable | None = None, buckets: bool = False) -> optax.GradientTransformation:
+                       axis_name: Hashable | None = None, buckets: bool = False,
+                       ordered: bool = True) -> optax.GradientTransformation:
     """``chained`` with float parameters checked at init, continuing a state of an older layout
-    through ``from_older(state, updates)``.
+    through ``from_older(state, updates)``; with ``ordered=False``, its one MPI call unordered.
 
     An update that one rank rejects (a gradient or a state that does not fit, found as the step
     is traced, before any message) is rejected on every rank of ``comm``: the peers, already in
@@ -523,7 +544,15 @@ def _with_param_checks(chained: optax.GradientTransformation, from_older=None, *
         elif isinstance(state, AllreduceGradientsState):
             raise ValueError("allreduce_gradients: a checkpoint of the single-NamedTuple layout holds SparCML's "
                              "error feedback, not a global top-k residual; start from tx.init(params)")
-        return chained.update(updates, state, params)
+        if ordered:
+            return chained.update(updates, state, params)
+        with native.unordered_calls() as calls:
+            result = chained.update(updates, state, params)
+        if len(calls) > 1:
+            raise ValueError(f"allreduce_gradients(ordered=False): this update makes {len(calls)} MPI calls "
+                             f"({', '.join(calls)}), which nothing would order: make it one (fuse=True, the default) "
+                             "or drop ordered=False")
+        return result
 
     def update_fn(updates, state, params=None):
         try:

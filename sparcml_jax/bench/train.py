@@ -29,6 +29,7 @@ import optax
 from mpi4py import MPI
 
 import sparcml_jax
+from sparcml_jax.comm import native
 from sparcml_jax.bench._timing import block, print_table
 from sparcml_jax.collectives import CostModel
 from sparcml_jax.stream import can_switch_to_dense
@@ -157,14 +158,19 @@ def _scalar_state(count: int) -> optax.GradientTransformation:
                                         lambda updates, state, params=None: (updates, tuple(x + 1 for x in state)))
 
 
-def _one_float_allreduce(nprocs: int) -> optax.GradientTransformation:
+def _one_float_allreduce(nprocs: int, ordered: bool = True) -> optax.GradientTransformation:
     """Passes updates through (times the mean of a one on every rank) after an allreduce of one
     float: what JAX adds to any step that makes an MPI call, without its data. The call's ordered
     effect takes JAX's Python dispatch path, which handles every argument and result one by one,
-    and it waits for the slowest rank."""
+    and it waits for the slowest rank. ``ordered=False``: the engine's MPI_Allreduce, unordered
+    (see :func:`sparcml_jax.allreduce_gradients`'s ``ordered``), which keeps JAX's C++ path."""
 
     def update_fn(updates, state, params=None):
-        one = sparcml_jax.dense_allreduce(jnp.ones(1, jnp.float32))[0] / nprocs
+        if ordered:
+            one = sparcml_jax.dense_allreduce(jnp.ones(1, jnp.float32))[0] / nprocs
+        else:
+            with native.unordered_calls():
+                one = sparcml_jax.nonzeros_allreduce(jnp.ones(1, jnp.float32), algorithm="dense")[0]
         return jax.tree.map(lambda u: u * one, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
@@ -196,7 +202,11 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
                 carrying: optax.chain(sparcml_jax.dense_allreduce_gradients(), _scalar_state(extra)),
                 "model and optimizer only": optax.identity(),
                 "+ packing" if exact else "+ selection and error feedback": local,
-                "model and optimizer + an allreduce of one float": _one_float_allreduce(nprocs)}
+                "model and optimizer + an allreduce of one float": _one_float_allreduce(nprocs),
+                "dense step, ordered=False (the engine's MPI_Allreduce)": sparcml_jax.allreduce_gradients(
+                    algorithm="dense", ordered=False, **fusing),
+                "sparse step, ordered=False": sparcml_jax.allreduce_gradients(**compression, ordered=False),
+                "model and optimizer + an unordered allreduce of one float": _one_float_allreduce(nprocs, False)}
     programs, calls = {}, {}
     for name, reducer in reducers.items():
         tx = optax.chain(reducer, optax.adam(1e-3))

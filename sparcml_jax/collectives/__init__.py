@@ -8,6 +8,7 @@ the collective's own messages, so a bad input raises on every rank instead of le
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Hashable
 
@@ -130,9 +131,17 @@ def sparse_allreduce(
     except (TypeError, ValueError) as e:
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
-    fn = _compiled(plan, algorithm, model)
+    fn = _compiled(_unordered_if_asked(plan, "sparse_allreduce"), algorithm, model)
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
     return _returned(*call_and_recover(fn, stream, key), return_stats)
+
+
+def _unordered_if_asked(plan: Plan, name: str) -> Plan:
+    """``plan`` unordered inside :func:`native.unordered_calls` (the native transport only: the
+    other's calls are mpi4jax's, on its ordered effect)."""
+    if plan.transport == "native" and native.note_call(name):
+        return dataclasses.replace(plan, ordered=False)
+    return plan
 
 
 def _returned(result, stats, error, return_stats: bool):
@@ -207,7 +216,8 @@ def nonzeros_allreduce(
         reject_everywhere(comm, e)
     model = auto.cost_model_for(comm, cost_model) if algorithm == "auto" and plan.nprocs > 1 else None
     key = jnp.zeros((2,), jnp.uint32) if key is None else key
-    return _returned(*call_and_recover(_compiled_on_nonzeros(plan, algorithm, model, average), x, key),
+    return _returned(*call_and_recover(_compiled_on_nonzeros(_unordered_if_asked(plan, "nonzeros_allreduce"),
+                                                             algorithm, model, average), x, key),
                      return_stats)
 
 
@@ -300,7 +310,8 @@ def _run_natively(plan: Plan, program: native.Program, stream: SparseStream | ja
     words = key_words(jax.random.fold_in(key, plan.rank)) if plan.quantize else None
     result, code, sent, dense_round, error = native.run_with_residual(program, stream, comm=plan.comm,
                                                                       signature=signature, delta=plan.delta,
-                                                                      key_words=words, divisor=divisor)
+                                                                      key_words=words, divisor=divisor,
+                                                                      ordered=plan.ordered)
     if program.residual < 0:  # an exact algorithm: nothing lost
         error = _no_error(plan, program.size)
     elif not (plan.quantize and plan.quantize.feedback):

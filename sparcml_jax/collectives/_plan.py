@@ -56,6 +56,7 @@ class Plan:
     comm_id: int = -1
     axis_name: Hashable | None = None
     axis_size: int = 0
+    ordered: bool = True  # False: the native call carries no effect (comm.native.unordered_calls)
 
     def __post_init__(self):
         if self.comm is not None:

@@ -14,6 +14,8 @@ heard from every rank) and a choice on the global count need a step of their own
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import functools
@@ -388,6 +390,40 @@ def _attributes(program: Program, comm: MPI.Comm, signature: Signature, delta: f
                 hash=i64(signature.hash), fields=signature.names, rejected=i64(int(rejected)))
 
 
+# The calls made while tracing inside unordered_calls(), or None outside it.
+_UNORDERED: contextvars.ContextVar[list | None] = contextvars.ContextVar("sparcml_jax_unordered", default=None)
+
+
+@contextlib.contextmanager
+def unordered_calls():
+    """Within it, the collectives called run their native program unordered (``ordered=False``,
+    see ``comm._ordered``), so a program whose only MPI call is one of them takes JAX's C++
+    dispatch path. Yields the list of the MPI calls made within it (see :func:`note_call`), for
+    the caller to check that there is at most one."""
+    calls: list[str] = []
+    reset = _UNORDERED.set(calls)
+    try:
+        yield calls
+    finally:
+        _UNORDERED.reset(reset)
+
+
+def note_call(name: str) -> bool:
+    """Records an MPI call made inside :func:`unordered_calls`; whether there is one."""
+    calls = _UNORDERED.get()
+    if calls is not None:
+        calls.append(name)
+    return calls is not None
+
+
+@functools.cache
+def _drain_at_exit() -> None:
+    # Registered after mpi4py's import, so it runs before MPI_Finalize. jax.effects_barrier()
+    # waits only for programs with effects; a CPU device runs programs in dispatch order, so
+    # one more program is done only when every earlier one is.
+    atexit.register(lambda: jax.block_until_ready(jax.jit(lambda: jnp.zeros(()))()))
+
+
 def _key_or_zeros(key_words):
     return jnp.zeros((2,), jnp.uint32) if key_words is None else key_words
 
@@ -402,13 +438,14 @@ def run(program: Program, s: SparseStream, *, comm: MPI.Comm, signature: Signatu
 
 
 def run_with_residual(program: Program, s: SparseStream | jax.Array, *, comm: MPI.Comm, signature: Signature,
-                      delta: float, key_words: jax.Array | None = None, divisor: int = 1):
+                      delta: float, key_words: jax.Array | None = None, divisor: int = 1, ordered: bool = True):
     """:func:`run`, and the program's dense residual (empty when it has none) last. ``s`` may be
     a dense vector instead of a stream, float32 or bfloat16: the engine widens bfloat16 values as
     it reads them, sums in float32, and writes the result's values as bfloat16, rounded to
     nearest even (its residual stays float32). The result's values are divided by ``divisor``
-    (in float32, before that rounding)."""
-    return _bind_run(program, s, comm, signature, delta, key_words, False, divisor)
+    (in float32, before that rounding). ``ordered=False``: the call carries no effect (see
+    ``comm._ordered``)."""
+    return _bind_run(program, s, comm, signature, delta, key_words, False, divisor, ordered)
 
 
 def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signature: Signature, delta: float,
@@ -422,15 +459,17 @@ def run_global_topk(program: Program, x: SparseStream, *, comm: MPI.Comm, signat
 
 
 def _bind_run(program: Program, s: SparseStream | jax.Array, comm, signature, delta, key_words, rejected,
-              divisor: int = 1):
+              divisor: int = 1, ordered: bool = True):
     capacity = program.capacity if program.result >= 0 else 0
     if not isinstance(s, SparseStream):  # a dense vector: the stream dense by construction, in its own dtype
         s = _DenseVector(jnp.zeros((0,), INDEX_DTYPE), s, jnp.asarray(s.shape[0], INDEX_DTYPE), s.shape[0])
+    if not ordered:
+        _drain_at_exit()
     idx, val, nnz, algorithm, sent, dense_round, residual = _run_p.bind(
         s.indices, s.values, s.nnz, _key_or_zeros(key_words), capacity=i64(capacity),
         index_capacity=i64(program.index_capacity),
         residual_size=i64(program.size if program.residual >= 0 else 0), residual=i64(program.residual),
-        value_dtype=s.values.dtype.name, divisor=float(divisor),
+        value_dtype=s.values.dtype.name, divisor=float(divisor), ordered=ordered,
         **_attributes(program, comm, signature, delta, rejected))
     result = (SparseStream if val.dtype == VALUE_DTYPE else _DenseVector)(idx, val, nnz, program.size)
     return result, algorithm, sent, dense_round, residual
