@@ -401,3 +401,20 @@ def test_gradient_stats_is_one_vector_read_by_name():
         sparcml_jax.GradientStats(0.5, 1.0)
     with pytest.raises(ValueError, match="has no field"):
         stats._replace(nnz=3)
+
+
+@pytest.mark.parametrize("options", [dict(buckets=2), dict(transport="mpi4jax"), dict(algorithm="spardl"),
+                                     dict(density=None, capacity=5), dict(axis_name="i"),
+                                     dict(density=None, quantize_bits=4, quantize_feedback=True)])
+def test_unordered_needs_one_native_collective(options):
+    with pytest.raises(ValueError, match="ordered=False makes one unordered MPI call per step"):
+        sparcml_jax.allreduce_gradients(**{"density": 0.1, **options}, ordered=False)
+
+
+def test_unordered_update_of_two_collectives_raises():
+    params = {"w": jnp.zeros((30, 40)), "v": jnp.zeros(3000)}
+    tx = sparcml_jax.allreduce_gradients(density=0.1, fuse=False, ordered=False)
+    with pytest.raises(ValueError, match=r"makes 2 MPI calls \(sparse_allreduce, sparse_allreduce\)"):
+        jax.jit(tx.update)(params, tx.init(params))
+    one = sparcml_jax.allreduce_gradients(density=0.1, ordered=False)
+    assert not jax.make_jaxpr(one.update)(params, one.init(params)).effects

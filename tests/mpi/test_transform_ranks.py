@@ -77,6 +77,54 @@ def test_exact_mode_equals_dense_sum(options):
     run_and_agree(check, "exact mode")
 
 
+@pytest.mark.parametrize("options", [
+    dict(density=0.02, min_size=100), dict(average=False), dict(k=50, quantize_bits=4, algorithm="dsar_split_allgather"),
+    dict(density=0.05, value_dtype=jnp.bfloat16), dict(density=0.05, warmup_steps=1, algorithm="sparse_ring")])
+def test_unordered_step_takes_no_effect_and_equals_the_ordered_one(options):
+    """``ordered=False``: the jitted step carries no JAX effect (JAX's C++ dispatch path), and its
+    parameters equal the ordered step's bit for bit after every step, on every rank; the exact
+    mode's sum of integers is np.sum's. Between steps, an eager mpi4jax allreduce (a program on
+    the ordered effect, not waited for) must run after the step dispatched before it, as a CPU
+    device runs programs in dispatch order."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    def check():
+        failures, finals = [], {}
+        for ordered in (True, False):
+            tx = optax.chain(sparcml_jax.allreduce_gradients(ordered=ordered, **options), optax.adam(1e-2))
+            params, state = _params(), tx.init(_params())
+
+            @jax.jit
+            def step(p, s, g):
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s, u
+
+            effects = jax.make_jaxpr(step)(params, state, _grads(0)).effects
+            if not ordered and effects:
+                failures.append(f"the unordered step carries effects {effects}")
+            for t in range(4):
+                grads = _grads(t) if "density" in options or "k" in options else jax.tree.map(
+                    lambda g: jnp.where(jnp.abs(g) > 2, g, 0.0), _grads(t))
+                params, state, updates = step(params, state, grads)
+                total = mpi4jax.allreduce(jnp.float32(t), op=MPI.SUM, comm=COMM)
+                failures += _identical_everywhere(params, f"ordered={ordered}, step {t}")
+                if float(total) != t * NPROCS:
+                    failures.append(f"the eager allreduce after step {t} gave {float(total)}")
+                if options == dict(average=False) and t == 0 and not ordered:  # the exact mode, no Adam yet
+                    want = np.sum(COMM.allgather(np.asarray(grads["v"])), axis=0)
+                    state_free = sparcml_jax.allreduce_gradients(ordered=False, **options)
+                    got, _ = jax.jit(state_free.update)(grads, state_free.init(_params()))
+                    if not np.array_equal(np.asarray(got["v"]), want):
+                        failures.append("the unordered exact mode differs from np.sum")
+            finals[ordered] = np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+        if not np.array_equal(finals[True], finals[False]):
+            failures.append("the unordered step's parameters differ from the ordered step's")
+        return failures
+
+    run_and_agree(check, f"ordered=False {options}")
+
+
 @pytest.mark.parametrize("options, calls", [
     (dict(), 1), (dict(density=0.05), 1), (dict(density=0.05, value_dtype=jnp.bfloat16), 1),
     (dict(density=0.05, quantize_bits=4), 1), (dict(density=0.05, warmup_steps=1), 1), (dict(warmup_steps=1), 1),
