@@ -157,6 +157,8 @@ def test_quick_train_benchmark(tmp_path):
 
 
 FLOOR = "model and optimizer + an allreduce of one float"  # what any communicating step pays
+UNORDERED = ("dense step, ordered=False (the engine's MPI_Allreduce)", "sparse step, ordered=False",
+             "model and optimizer + an unordered allreduce of one float")
 
 
 @pytest.mark.parametrize("model", ["digits_mlp", "flax_digits_cnn"])
@@ -172,11 +174,12 @@ def test_train_breakdown_takes_an_examples_step_apart(model, tmp_path):
     leaves = "dense step + 3 scalar state leaves"
     assert set(rows) == {"dense step", "sparse step", leaves, "model and optimizer only", FLOOR,
                          "+ selection and error feedback", "the collective alone (dsar_split_allgather)",
-                         "the dense collective alone", "QSGD 4-bit coding of N / P alone"}
+                         "the dense collective alone", "QSGD 4-bit coding of N / P alone", *UNORDERED}
     assert all(r["ms"] > 0 for r in rows.values()) and rows["dense step"]["vs_dense"] == 1.0
     # One MPI call per step each way, none without communication.
     calls = {part: r["mpi_calls"] for part, r in rows.items()}
     assert calls["dense step"] == calls["sparse step"] == calls[leaves] == calls[FLOOR] == 1
+    assert all(calls[part] == 1 for part in UNORDERED)
     assert calls["the collective alone (dsar_split_allgather)"] == calls["the dense collective alone"] == 1
     assert calls["model and optimizer only"] == calls["+ selection and error feedback"] == 0
     assert rows["sparse step"]["messages"] == 2  # at P = 2: the split and the allgather (the agreement rides on them)
@@ -190,7 +193,8 @@ def test_train_breakdown_of_the_exact_mode(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {r["part"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"dense step", "sparse step", "dense step + 1 scalar state leaf", "model and optimizer only",
-                         FLOOR, "+ packing", "the collective alone (dense)", "the dense collective alone"}
+                         FLOOR, "+ packing", "the collective alone (dense)", "the dense collective alone",
+                         *UNORDERED}
     assert rows["sparse step"]["mpi_calls"] == rows["the collective alone (dense)"]["mpi_calls"] == 1
     assert rows["sparse step"]["messages"] is None  # MPICH's allreduce's own
 

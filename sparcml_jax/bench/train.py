@@ -183,7 +183,8 @@ def breakdown(args, comm: MPI.Comm, *, steps: int, blocks: int) -> list[dict]:
     the collective (the whole step); the model and optimizer with an allreduce of one float (what
     any step that communicates pays before its data); the collective, the dense step's allreduce
     and QSGD's coding alone; the dense step carrying as many scalar state leaves as the sparse
-    transform's state."""
+    transform's state; and with ``ordered=False`` (no JAX effect: JAX's C++ dispatch path) the
+    sparse step, a dense step on the engine's MPI_Allreduce and the one-float floor."""
     rank, nprocs = comm.Get_rank(), comm.Get_size()
     x_all, y_all, initial, make_step, fusing = _model(args.model)
     rng = np.random.default_rng(rank)
