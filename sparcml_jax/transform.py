@@ -396,11 +396,12 @@ def allreduce_gradients(
         whose only MPI call it is takes JAX's C++ dispatch path. Any effect sends every call of
         the step through JAX's Python path, which handles each argument and result one by one:
         about 1 ms per step for a small CNN with Adam, more than its whole sparse collective.
-        Nothing then orders the call against other MPI calls of the same program, so the step
-        must make no other (no mpi4jax call, no other collective of this package): the update
-        raises if it makes more than one itself, and cannot see the step's others. Programs are
-        ordered among themselves: a CPU device runs them in the order they were dispatched. One
-        collective per step only: SparCML's algorithms on the native transport over ``comm``,
+        Nothing then orders the call against other MPI calls of the same program, so it must be
+        the step's only one: a second unordered call (``fuse=False`` with several large leaves,
+        a second transform) raises as the step is traced, and a call on the ordered effect
+        (mpi4jax's, this package's others) as it is lowered; keep those in a program of their
+        own. Programs are ordered among themselves: a CPU device runs them in the order they
+        were dispatched. SparCML's algorithms on the native transport over ``comm`` only,
         without ``buckets``, ``capacity`` or ``quantize_feedback`` (the small leaves then ride in
         the collective of the fused buffer).
 
@@ -546,13 +547,8 @@ def _with_param_checks(chained: optax.GradientTransformation, from_older=None, *
                              "error feedback, not a global top-k residual; start from tx.init(params)")
         if ordered:
             return chained.update(updates, state, params)
-        with native.unordered_calls() as calls:
-            result = chained.update(updates, state, params)
-        if len(calls) > 1:
-            raise ValueError(f"allreduce_gradients(ordered=False): this update makes {len(calls)} MPI calls "
-                             f"({', '.join(calls)}), which nothing would order: make it one (fuse=True, the default) "
-                             "or drop ordered=False")
-        return result
+        with native.unordered_calls():
+            return chained.update(updates, state, params)
 
     def update_fn(updates, state, params=None):
         try:

@@ -139,7 +139,7 @@ def sparse_allreduce(
 def _unordered_if_asked(plan: Plan, name: str) -> Plan:
     """``plan`` unordered inside :func:`native.unordered_calls` (the native transport only: the
     other's calls are mpi4jax's, on its ordered effect)."""
-    if plan.transport == "native" and native.note_call(name):
+    if plan.transport == "native" and native.unordered_call(name):
         return dataclasses.replace(plan, ordered=False)
     return plan
 

@@ -12,7 +12,6 @@ from mpi4py import MPI
 
 from sparcml_jax.collectives.dsar_split_allgather import dsar_split_allgather
 from sparcml_jax.comm import S, Transport, resolve_comm
-from sparcml_jax.comm.native import note_call
 
 
 def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None, axis_name: Hashable | None = None) -> jax.Array:
@@ -34,7 +33,6 @@ def dense_allreduce(x: jax.Array, *, comm: MPI.Comm | None = None, axis_name: Ha
         axis_plan(axis_name, comm, None, 1.0)  # raises for comm given too, or for an axis not bound here
         return jax.lax.psum(x, axis_name)
     comm = resolve_comm(comm)
-    note_call("mpi4jax.allreduce")
     return mpi4jax.allreduce(x, op=MPI.SUM, comm=comm)
 
 

@@ -10,6 +10,7 @@
   JAX 0.10, ``aval.vma`` before).
 - ``backends_started``: whether JAX's backends exist already (XLA_FLAGS no longer apply then).
 - ``outside_trace``: a call run now even while a step is being traced (JAX's trace state is per thread).
+- ``enclosing_traces``: the jaxpr traces a call is being staged into, innermost first.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import concurrent.futures
 from typing import Callable, TypeVar
 
 import jax
-from jax._src.core import abstract_token
+from jax._src.core import abstract_token, trace_ctx
+from jax._src.interpreters.partial_eval import DynamicJaxprTrace
 from jax._src.dispatch import apply_primitive, runtime_tokens
 from jax._src.xla_bridge import backends_are_initialized as backends_started
 from mpi4jax._src.utils import get_default_comm as default_comm
 from mpi4jax._src.utils import ordered_effect
 
 __all__ = ["abstract_token", "apply_primitive", "backends_started", "clear_runtime_tokens", "default_comm",
-           "ordered_effect", "outside_trace", "runtime_token_values", "varying_axes"]
+           "enclosing_traces", "ordered_effect", "outside_trace", "runtime_token_values", "varying_axes"]
 
 T = TypeVar("T")
 
@@ -55,3 +57,13 @@ def outside_trace(call: Callable[[], T]) -> T:
     thread they run now, as they would in a step."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(call).result()
+
+
+def enclosing_traces() -> list:
+    """The jaxpr traces (``jit``, control-flow bodies) a call made now is staged into, innermost
+    first: empty for an eager call."""
+    traces, trace = [], trace_ctx.trace
+    while isinstance(trace, DynamicJaxprTrace):
+        traces.append(trace)
+        trace = trace.parent_trace
+    return traces

@@ -11,7 +11,9 @@ takes JAX's C++ dispatch path instead of the Python one that every effect forces
 each argument and result one by one: about 1 ms for a small CNN's train step with Adam). It is
 ordered against the programs before and after it by the CPU client, which runs a device's
 programs in the order they were dispatched; nothing orders it against another MPI call of the
-same program, so the caller must make it the only one.
+same program, so it must be the only one: lowering rejects a second unordered call in a module,
+and one in a program with ordered effects (see :func:`comm.native.unordered_call` for the
+calls that share a lowered function).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir
+from jax.extend.mlir import ir
 
 from sparcml_jax import _lib
 from sparcml_jax.comm._compat import abstract_token, apply_primitive, ordered_effect
@@ -50,6 +53,8 @@ def ordered_ffi_primitive(
 
     def lowering(ctx, *operands, ordered=True, **params):
         _lib.register_cpu_target(target, symbol, library="mpi")
+        if not ordered:
+            _check_alone(ctx.module_context.module, name)
         token = ctx.tokens_in.get(ORDERED_EFFECT) if ordered else stablehlo.create_token()
         sub = ctx.replace(
             avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
@@ -66,6 +71,29 @@ def ordered_ffi_primitive(
     prim.def_effectful_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, lowering, platform="cpu")
     return prim
+
+
+_UNORDERED_MARK = "sparcml_jax.unordered_call"
+
+
+def _check_alone(module, name: str) -> None:
+    """Raises, as the program is lowered (the same on every rank), where nothing would order an
+    unordered call: beside another one, or in a program with ordered effects (mpi4jax's calls,
+    this package's ordered ones), whose main function then takes JAX's token arguments."""
+    attributes = module.operation.attributes
+    if _UNORDERED_MARK in attributes:
+        raise ValueError(f"{name}: a program makes two MPI calls without JAX's ordered effect "
+                         "(ordered=False), and nothing would order them: give each its own jitted program, "
+                         "or pass ordered=True")
+    attributes[_UNORDERED_MARK] = ir.UnitAttr.get()
+    for op in module.body.operations:
+        if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            tokens = "arg_attrs" in op.attributes and "jax.token" in str(op.attributes["arg_attrs"])
+            if tokens:
+                raise ValueError(f"{name}: a program mixes an MPI call without JAX's ordered effect (ordered=False) "
+                                 "with calls on it (mpi4jax's, or this package's ordered ones), and nothing would "
+                                 "order the two: move the others to a jitted program of their own, or pass "
+                                 "ordered=True")
 
 
 def i64(x: int) -> np.int64:

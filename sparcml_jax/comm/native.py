@@ -24,6 +24,7 @@ import os
 import struct
 import sys
 import time
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -33,6 +34,7 @@ from mpi4py import MPI
 
 from sparcml_jax import _lib
 from sparcml_jax.comm import Combine, Quantize
+from sparcml_jax.comm._compat import enclosing_traces
 from sparcml_jax.comm._ordered import i64, ordered_ffi_primitive
 from sparcml_jax.comm.topology import (allgather_capacities, block_pass, check_pairs, concatenated_capacity,
                                        exchange_capacity, grown_capacity, owned_slot, part_capacity, part_length,
@@ -390,30 +392,38 @@ def _attributes(program: Program, comm: MPI.Comm, signature: Signature, delta: f
                 hash=i64(signature.hash), fields=signature.names, rejected=i64(int(rejected)))
 
 
-# The calls made while tracing inside unordered_calls(), or None outside it.
-_UNORDERED: contextvars.ContextVar[list | None] = contextvars.ContextVar("sparcml_jax_unordered", default=None)
+# Whether the collectives called now run unordered (inside unordered_calls()).
+_UNORDERED: contextvars.ContextVar[bool] = contextvars.ContextVar("sparcml_jax_unordered", default=False)
+# The traces that hold an unordered call already.
+_TRACES_WITH_ONE: weakref.WeakSet = weakref.WeakSet()
 
 
 @contextlib.contextmanager
 def unordered_calls():
     """Within it, the collectives called run their native program unordered (``ordered=False``,
     see ``comm._ordered``), so a program whose only MPI call is one of them takes JAX's C++
-    dispatch path. Yields the list of the MPI calls made within it (see :func:`note_call`), for
-    the caller to check that there is at most one."""
-    calls: list[str] = []
-    reset = _UNORDERED.set(calls)
+    dispatch path."""
+    reset = _UNORDERED.set(True)
     try:
-        yield calls
+        yield
     finally:
         _UNORDERED.reset(reset)
 
 
-def note_call(name: str) -> bool:
-    """Records an MPI call made inside :func:`unordered_calls`; whether there is one."""
-    calls = _UNORDERED.get()
-    if calls is not None:
-        calls.append(name)
-    return calls is not None
+def unordered_call(name: str) -> bool:
+    """Whether a collective called now runs unordered. Raises for a second one in the traces it
+    is staged into (the enclosing ones included: a loop's body and the code around the loop are
+    one program); lowering rejects the rest (``comm._ordered``)."""
+    if not _UNORDERED.get():
+        return False
+    traces = enclosing_traces()
+    if any(trace in _TRACES_WITH_ONE for trace in traces):
+        raise ValueError(f"{name}: a second MPI call without JAX's ordered effect (ordered=False) in one program, "
+                         "and nothing would order the two: make them one collective (fuse=True, the default, and "
+                         "no second transform in the step), give each its own jitted program, or pass "
+                         "ordered=True")
+    _TRACES_WITH_ONE.update(traces)
+    return True
 
 
 @functools.cache
