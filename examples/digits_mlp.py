@@ -11,6 +11,9 @@ With ``--algorithm spardl``, ``oktopk`` or ``gtopk`` the sum is a global top-k a
 ranks, and what it drops returns to the ranks' residuals (no QSGD).
 
     mpirun -n 4 python examples/digits_mlp.py --algorithm spardl
+
+``--unordered`` passes ``ordered=False`` (SparCML's algorithms): the sparse step's one collective
+carries no JAX effect, and the step keeps JAX's C++ dispatch path.
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ def main(argv=None):
     parser.add_argument("--buckets", type=int, default=0,
                         help="also train with the gradient split into this many buckets reduced by the "
                              "non-blocking engine (overlap), and compare step times")
+    parser.add_argument("--unordered", action="store_true",
+                        help="allreduce_gradients(ordered=False): the sparse step keeps JAX's C++ dispatch path")
     args = parser.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -151,7 +156,10 @@ def main(argv=None):
     compression = dict(density=args.density, algorithm=args.algorithm, min_size=0, seed=args.seed,
                        **({} if bits is None else dict(quantize_bits=bits, quantize_scale=args.scale,
                                                        quantize_feedback=args.quantize_feedback)))
-    sparse = train("sparse", sparcml_jax.allreduce_gradients(**compression), data, args, comm)
+    if args.unordered and (global_topk or args.quantize_feedback):
+        parser.error("--unordered runs SparCML's algorithms without --quantize-feedback")
+    unordered = {"ordered": False} if args.unordered else {}
+    sparse = train("sparse", sparcml_jax.allreduce_gradients(**compression, **unordered), data, args, comm)
     if args.buckets:
         bucketed_reducer = sparcml_jax.allreduce_gradients(**compression, buckets=args.buckets)
         # Lets each bucket's reduction start during the backward pass (see OVERLAP_COMPILER_OPTIONS).

@@ -14,6 +14,11 @@ holds the same parameters.
     mpirun -n 4 python examples/flax_digits_cnn.py                          # every global top-k
     mpirun -n 4 python examples/flax_digits_cnn.py --algorithms dsar_split_allgather spardl
 
+With SparCML's algorithms, ``--unordered`` passes ``ordered=False``: the step's one collective
+carries no JAX effect, and the step keeps JAX's C++ dispatch path.
+
+    mpirun -n 4 python examples/flax_digits_cnn.py --algorithms auto --unordered
+
 Low precision: bfloat16 parameters and gradients, the whole gradient with bfloat16 values on the
 wire, or 4-bit QSGD on its dense phases:
 
@@ -138,7 +143,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-every", type=int, default=1)
+    parser.add_argument("--unordered", action="store_true",
+                        help="allreduce_gradients(ordered=False): the step keeps JAX's C++ dispatch path "
+                             "(SparCML's algorithms only)")
     args = parser.parse_args(argv)
+    if args.unordered and set(args.algorithms) & set(sparcml_jax.GLOBAL_TOPK_ALGORITHMS):
+        parser.error("--unordered runs SparCML's algorithms (--algorithms auto, ...), not a global top-k")
     comm = MPI.COMM_WORLD
     data = load(args.seed)
 
@@ -148,7 +158,7 @@ def main(argv=None) -> dict:
     low_precision = {k: v for k, v in low_precision.items() if v}
     for algorithm in args.algorithms:
         reducer = sparcml_jax.allreduce_gradients(density=args.density, algorithm=algorithm, min_size=args.min_size,
-                                                  **low_precision)
+                                                  **low_precision, **({"ordered": False} if args.unordered else {}))
         what = "every entry" if args.density is None else f"top-k {args.density:.0%}"
         runs[algorithm] = train(f"{what} {algorithm}", reducer, data, args, comm)
     if comm.Get_rank() == 0:

@@ -24,6 +24,15 @@ def test_example_trains_with_a_global_top_k(example, args, accuracy):
     assert found and float(found.group(1)) > 0.3, result.stdout[-3000:]  # chance: 0.1
 
 
+def test_cnn_example_trains_unordered():
+    """``--unordered``: the transform's collective without JAX's ordered effect."""
+    result = run_under_mpirun(2, [str(EXAMPLES / "flax_digits_cnn.py"), "--algorithms", "auto", "--unordered",
+                                  "--epochs", "1"], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = re.search(r"^\s+top-k 1% auto\s+(\d\.\d+)", result.stdout, re.MULTILINE)
+    assert found and float(found.group(1)) > 0.3, result.stdout[-3000:]  # chance: 0.1
+
+
 def test_mesh_example_replaces_pmean():
     result = subprocess.run([sys.executable, str(EXAMPLES / "flax_data_parallel.py"), "--devices", "3", "--epochs", "2",
                              "--report-every", "1"], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,

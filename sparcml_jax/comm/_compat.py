@@ -20,8 +20,8 @@ from typing import Callable, TypeVar
 
 import jax
 from jax._src.core import abstract_token, trace_ctx
-from jax._src.interpreters.partial_eval import DynamicJaxprTrace
 from jax._src.dispatch import apply_primitive, runtime_tokens
+from jax._src.interpreters.partial_eval import DynamicJaxprTrace
 from jax._src.xla_bridge import backends_are_initialized as backends_started
 from mpi4jax._src.utils import get_default_comm as default_comm
 from mpi4jax._src.utils import ordered_effect
@@ -61,9 +61,10 @@ def outside_trace(call: Callable[[], T]) -> T:
 
 def enclosing_traces() -> list:
     """The jaxpr traces (``jit``, control-flow bodies) a call made now is staged into, innermost
-    first: empty for an eager call."""
+    first, through any transformation between them (``vmap``, ``grad``): empty for an eager call."""
     traces, trace = [], trace_ctx.trace
-    while isinstance(trace, DynamicJaxprTrace):
-        traces.append(trace)
-        trace = trace.parent_trace
+    while trace is not None:
+        if isinstance(trace, DynamicJaxprTrace):
+            traces.append(trace)
+        trace = getattr(trace, "parent_trace", None)
     return traces

@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 from jax.extend.core import Primitive
+from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir
-from jax.extend.mlir import ir
 
 from sparcml_jax import _lib
 from sparcml_jax.comm._compat import abstract_token, apply_primitive, ordered_effect
