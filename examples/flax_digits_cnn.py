@@ -147,8 +147,9 @@ def main(argv=None) -> dict:
                         help="allreduce_gradients(ordered=False): the step keeps JAX's C++ dispatch path "
                              "(SparCML's algorithms only)")
     args = parser.parse_args(argv)
-    if args.unordered and set(args.algorithms) & set(sparcml_jax.GLOBAL_TOPK_ALGORITHMS):
-        parser.error("--unordered runs SparCML's algorithms (--algorithms auto, ...), not a global top-k")
+    if args.unordered and (set(args.algorithms) & set(sparcml_jax.GLOBAL_TOPK_ALGORITHMS) or args.quantize_feedback):
+        parser.error("--unordered runs SparCML's algorithms (--algorithms auto, ...), not a global top-k, "
+                     "without --quantize-feedback")
     comm = MPI.COMM_WORLD
     data = load(args.seed)
 

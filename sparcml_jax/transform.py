@@ -397,13 +397,16 @@ def allreduce_gradients(
         the step through JAX's Python path, which handles each argument and result one by one:
         about 1 ms per step for a small CNN with Adam, more than its whole sparse collective.
         Nothing then orders the call against other MPI calls of the same program, so it must be
-        the step's only one: a second unordered call (``fuse=False`` with several large leaves,
-        a second transform) raises as the step is traced, and a call on the ordered effect
-        (mpi4jax's, this package's others) as it is lowered; keep those in a program of their
-        own. Programs are ordered among themselves: a CPU device runs them in the order they
-        were dispatched. SparCML's algorithms on the native transport over ``comm`` only,
-        without ``buckets``, ``capacity`` or ``quantize_feedback`` (the small leaves then ride in
-        the collective of the fused buffer).
+        the step's only one. A second unordered call traced into the step (``fuse=False`` with
+        several large leaves, a second transform, also in a branch of ``lax.cond`` that never
+        runs, or under ``optax.MultiSteps``, which traces the update twice) raises as the step is
+        traced; a call on an ordered effect (mpi4jax's, this package's others) and a program over
+        several devices raise as it is lowered. Not caught: one jitted function holding the
+        update, called twice on independent data inside another jitted function. Programs are
+        ordered among themselves: a CPU device runs its programs in the order they were
+        dispatched. SparCML's algorithms on the native transport over ``comm`` only, without
+        ``buckets``, ``capacity`` or ``quantize_feedback`` (the small leaves then ride in the
+        collective of the fused buffer).
 
     Numeric arguments left at ``None`` take their defaults, so ``optax.inject_hyperparams`` only
     injects what you pass; arguments that decide buffer shapes (``density``, ``k``,

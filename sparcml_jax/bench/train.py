@@ -170,7 +170,7 @@ def _one_float_allreduce(nprocs: int, ordered: bool = True) -> optax.GradientTra
             one = sparcml_jax.dense_allreduce(jnp.ones(1, jnp.float32))[0] / nprocs
         else:
             with native.unordered_calls():
-                one = sparcml_jax.nonzeros_allreduce(jnp.ones(1, jnp.float32), algorithm="dense")[0]
+                one = sparcml_jax.nonzeros_allreduce(jnp.ones(1, jnp.float32), algorithm="dense", average=True)[0]
         return jax.tree.map(lambda u: u * one, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -11,6 +11,7 @@
 - ``backends_started``: whether JAX's backends exist already (XLA_FLAGS no longer apply then).
 - ``outside_trace``: a call run now even while a step is being traced (JAX's trace state is per thread).
 - ``enclosing_traces``: the jaxpr traces a call is being staged into, innermost first.
+- ``lowered_for_devices``: how many devices the program being lowered runs on.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import jax
 from jax._src.core import abstract_token, trace_ctx
 from jax._src.dispatch import apply_primitive, runtime_tokens
 from jax._src.interpreters.partial_eval import DynamicJaxprTrace
+from jax._src.sharding_impls import ShardingContext, SPMDAxisContext
 from jax._src.xla_bridge import backends_are_initialized as backends_started
 from mpi4jax._src.utils import get_default_comm as default_comm
 from mpi4jax._src.utils import ordered_effect
 
 __all__ = ["abstract_token", "apply_primitive", "backends_started", "clear_runtime_tokens", "default_comm",
-           "enclosing_traces", "ordered_effect", "outside_trace", "runtime_token_values", "varying_axes"]
+           "enclosing_traces", "lowered_for_devices", "ordered_effect", "outside_trace", "runtime_token_values",
+           "varying_axes"]
 
 T = TypeVar("T")
 
@@ -68,3 +71,14 @@ def enclosing_traces() -> list:
             traces.append(trace)
         trace = getattr(trace, "parent_trace", None)
     return traces
+
+
+def lowered_for_devices(module_context) -> int:
+    """The number of devices of the program a lowering rule's ``ctx.module_context`` belongs to
+    (``pmap``'s replicas count as more than one)."""
+    axis = module_context.axis_context
+    if isinstance(axis, ShardingContext):
+        return axis.num_devices
+    if isinstance(axis, SPMDAxisContext):
+        return axis.mesh.size
+    return 2

@@ -11,9 +11,10 @@ takes JAX's C++ dispatch path instead of the Python one that every effect forces
 each argument and result one by one: about 1 ms for a small CNN's train step with Adam). It is
 ordered against the programs before and after it by the CPU client, which runs a device's
 programs in the order they were dispatched; nothing orders it against another MPI call of the
-same program, so it must be the only one: lowering rejects a second unordered call in a module,
-and one in a program with ordered effects (see :func:`comm.native.unordered_call` for the
-calls that share a lowered function).
+same program, so it must be the only one. Lowering rejects a second unordered call lowered into
+a module, one in a program with ordered effects and one in a program over several devices;
+:func:`comm.native.unordered_call` rejects a second one as it is traced (JAX lowers a jitted
+function called twice only once).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir
 
 from sparcml_jax import _lib
-from sparcml_jax.comm._compat import abstract_token, apply_primitive, ordered_effect
+from sparcml_jax.comm._compat import abstract_token, apply_primitive, lowered_for_devices, ordered_effect
 
 ORDERED_EFFECT = ordered_effect
 
@@ -54,7 +55,7 @@ def ordered_ffi_primitive(
     def lowering(ctx, *operands, ordered=True, **params):
         _lib.register_cpu_target(target, symbol, library="mpi")
         if not ordered:
-            _check_alone(ctx.module_context.module, name)
+            _check_alone(ctx.module_context, name)
         token = ctx.tokens_in.get(ORDERED_EFFECT) if ordered else stablehlo.create_token()
         sub = ctx.replace(
             avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token)
@@ -76,24 +77,31 @@ def ordered_ffi_primitive(
 _UNORDERED_MARK = "sparcml_jax.unordered_call"
 
 
-def _check_alone(module, name: str) -> None:
+def _check_alone(module_context, name: str) -> None:
     """Raises, as the program is lowered (the same on every rank), where nothing would order an
-    unordered call: beside another one, or in a program with ordered effects (mpi4jax's calls,
-    this package's ordered ones), whose main function then takes JAX's token arguments."""
+    unordered call: beside another one lowered into the same module, in a program with ordered
+    effects (mpi4jax's MPI calls, this package's ordered ones, ordered callbacks), whose main
+    function then takes JAX's token arguments, or in a program over several devices (one call
+    per device, at once)."""
+    if lowered_for_devices(module_context) > 1:
+        raise ValueError(f"{name}: an MPI call without JAX's ordered effect (ordered=False) in a program over several "
+                         "devices would run once per device, unordered: run it in a single-device program, or pass "
+                         "ordered=True")
+    module = module_context.module
     attributes = module.operation.attributes
     if _UNORDERED_MARK in attributes:
-        raise ValueError(f"{name}: a program makes two MPI calls without JAX's ordered effect "
-                         "(ordered=False), and nothing would order them: give each its own jitted program, "
-                         "or pass ordered=True")
+        raise ValueError(f"{name}: a program makes two MPI calls without JAX's ordered effect (ordered=False), and "
+                         "nothing would order them: give each its own jitted program, or pass ordered=True")
     attributes[_UNORDERED_MARK] = ir.UnitAttr.get()
     for op in module.body.operations:
-        if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
-            tokens = "arg_attrs" in op.attributes and "jax.token" in str(op.attributes["arg_attrs"])
-            if tokens:
-                raise ValueError(f"{name}: a program mixes an MPI call without JAX's ordered effect (ordered=False) "
-                                 "with calls on it (mpi4jax's, or this package's ordered ones), and nothing would "
-                                 "order the two: move the others to a jitted program of their own, or pass "
-                                 "ordered=True")
+        if "sym_name" not in op.attributes or ir.StringAttr(op.attributes["sym_name"]).value != "main":
+            continue
+        arguments = ir.ArrayAttr(op.attributes["arg_attrs"]) if "arg_attrs" in op.attributes else []
+        if any("jax.token" in ir.DictAttr(a) for a in arguments):
+            raise ValueError(f"{name}: a program mixes an MPI call without JAX's ordered effect (ordered=False) with "
+                             "calls on ordered effects (mpi4jax's MPI calls, this package's ordered ones, ordered "
+                             "callbacks), and nothing would order the two: move those to a jitted program of their "
+                             "own, or pass ordered=True")
 
 
 def i64(x: int) -> np.int64:

@@ -418,10 +418,12 @@ def unordered_call(name: str) -> bool:
         return False
     traces = enclosing_traces()
     if any(trace in _TRACES_WITH_ONE for trace in traces):
-        raise ValueError(f"{name}: a second MPI call without JAX's ordered effect (ordered=False) in one program, "
-                         "and nothing would order the two: make them one collective (fuse=True, the default, and "
-                         "no second transform in the step), give each its own jitted program, or pass "
-                         "ordered=True")
+        error = ValueError(f"{name}: a second MPI call without JAX's ordered effect (ordered=False) in one program, "
+                           "and nothing would order the two: make them one collective (fuse=True, the default, and "
+                           "no second transform in the step), give each its own jitted program, or pass "
+                           "ordered=True")
+        error.sparcml_on_every_rank = True  # every rank traces the same step: no peer waits to be told
+        raise error
     _TRACES_WITH_ONE.update(traces)
     return True
 
@@ -430,8 +432,12 @@ def unordered_call(name: str) -> bool:
 def _drain_at_exit() -> None:
     # Registered after mpi4py's import, so it runs before MPI_Finalize. jax.effects_barrier()
     # waits only for programs with effects; a CPU device runs programs in dispatch order, so
-    # one more program is done only when every earlier one is.
-    atexit.register(lambda: jax.block_until_ready(jax.jit(lambda: jnp.zeros(()))()))
+    # one more program on it is done only when every earlier one is.
+    def drain():
+        for device in jax.local_devices():
+            jax.block_until_ready(jax.jit(lambda x: x + 1)(jax.device_put(jnp.zeros(()), device)))
+
+    atexit.register(drain)
 
 
 def _key_or_zeros(key_words):

@@ -99,3 +99,13 @@ def test_mesh_arguments_are_checked_where_the_transform_is_built():
         sj.allreduce_gradients(density=0.01, axis_name=AXIS, transport="mpi4jax")
     with pytest.raises(ValueError, match="buckets run on the non-blocking engine"):
         sj.allreduce_gradients(density=0.01, axis_name=AXIS, buckets=2)
+
+
+def test_unordered_collective_refuses_a_program_over_several_devices():
+    """With ``ordered=False`` over MPI, a jitted update on a sharded gradient would make one MPI
+    call per device, unordered: lowering raises, as JAX does for the ordered effect."""
+    mesh = jax.make_mesh((2,), (AXIS,))
+    params = {"w": jax.device_put(jnp.zeros((64, 64)), NamedSharding(mesh, P(AXIS)))}
+    tx = sj.allreduce_gradients(density=0.1, ordered=False)
+    with pytest.raises(ValueError, match="in a program over several devices would run once per device"):
+        jax.jit(tx.update)(params, tx.init(params))
