@@ -45,6 +45,7 @@ def ordered_ffi_primitive(
     ``result_avals(*operand_avals, **params)`` gives the (static) result shapes. Params named in
     ``shape_params`` only shape the results; all others are passed to the handler as attributes,
     so they must be numpy scalars of the handler's type, strings, or tuples of ints (int64 arrays).
+    The param ``ordered=False`` binds a call without the effect (see the module's docstring).
     """
     prim = Primitive(name)
     prim.multiple_results = True
