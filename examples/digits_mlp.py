@@ -158,8 +158,8 @@ def main(argv=None):
                                                        quantize_feedback=args.quantize_feedback)))
     if args.unordered and (global_topk or args.quantize_feedback):
         parser.error("--unordered runs SparCML's algorithms without --quantize-feedback")
-    unordered = {"ordered": False} if args.unordered else {}
-    sparse = train("sparse", sparcml_jax.allreduce_gradients(**compression, **unordered), data, args, comm)
+    sparse = train("sparse", sparcml_jax.allreduce_gradients(**compression, ordered=not args.unordered), data, args,
+                   comm)
     if args.buckets:
         bucketed_reducer = sparcml_jax.allreduce_gradients(**compression, buckets=args.buckets)
         # Lets each bucket's reduction start during the backward pass (see OVERLAP_COMPILER_OPTIONS).

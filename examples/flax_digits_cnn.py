@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
     low_precision = {k: v for k, v in low_precision.items() if v}
     for algorithm in args.algorithms:
         reducer = sparcml_jax.allreduce_gradients(density=args.density, algorithm=algorithm, min_size=args.min_size,
-                                                  **low_precision, **({"ordered": False} if args.unordered else {}))
+                                                  ordered=not args.unordered, **low_precision)
         what = "every entry" if args.density is None else f"top-k {args.density:.0%}"
         runs[algorithm] = train(f"{what} {algorithm}", reducer, data, args, comm)
     if comm.Get_rank() == 0:

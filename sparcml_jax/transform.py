@@ -9,6 +9,7 @@ DDP-style buckets), and leaves that already are streams are summed exactly on th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Hashable, NamedTuple, Sequence
 
@@ -548,9 +549,7 @@ def _with_param_checks(chained: optax.GradientTransformation, from_older=None, *
         elif isinstance(state, AllreduceGradientsState):
             raise ValueError("allreduce_gradients: a checkpoint of the single-NamedTuple layout holds SparCML's "
                              "error feedback, not a global top-k residual; start from tx.init(params)")
-        if ordered:
-            return chained.update(updates, state, params)
-        with native.unordered_calls():
+        with contextlib.nullcontext() if ordered else native.unordered_calls():
             return chained.update(updates, state, params)
 
     def update_fn(updates, state, params=None):

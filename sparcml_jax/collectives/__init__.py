@@ -21,8 +21,8 @@ from sparcml_jax.collectives._plan import ALGORITHMS, ENGINE_ALGORITHMS, Allredu
 from sparcml_jax.collectives.cost_model import CostModel
 from sparcml_jax.collectives.dense import dense_allreduce
 from sparcml_jax.collectives.validate import (allreduce_signature, call_and_recover, check_allreduce,
-                                              check_allreduce_arguments, reject_everywhere, reset_after_error,
-                                              wire_bits)
+                                              check_allreduce_arguments, on_every_rank, reject_everywhere,
+                                              reset_after_error, wire_bits)
 from sparcml_jax.comm import check_transport, native, resolve_comm
 from sparcml_jax.comm.mpi4jax_transport import Mpi4jaxTransport
 from sparcml_jax.kernels._common import check_stream, check_vector
@@ -139,9 +139,13 @@ def sparse_allreduce(
 def _unordered_if_asked(plan: Plan, name: str) -> Plan:
     """``plan`` unordered inside :func:`native.unordered_calls` (the native transport only: the
     other's calls are mpi4jax's, on its ordered effect)."""
-    if plan.transport == "native" and native.unordered_call(name):
-        return dataclasses.replace(plan, ordered=False)
-    return plan
+    if plan.transport != "native":
+        return plan
+    try:
+        unordered = native.unordered_call(name)
+    except ValueError as e:  # every rank traces the same step: no peer waits to be told
+        raise on_every_rank(e) from None
+    return dataclasses.replace(plan, ordered=False) if unordered else plan
 
 
 def _returned(result, stats, error, return_stats: bool):

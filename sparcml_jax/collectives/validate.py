@@ -121,7 +121,7 @@ def reject_everywhere(comm: MPI.Comm, error: BaseException, *, engine: bool = Fa
             reset_after_error()
 
     outside_trace(join)  # a rank that fails while its step is traced must make the call, not stage it
-    raise _on_every_rank(error)
+    raise on_every_rank(error)
 
 
 def agree_on_the_engine(comm: MPI.Comm, what: str) -> None:
@@ -138,7 +138,7 @@ def agree_on_the_engine(comm: MPI.Comm, what: str) -> None:
             _agree_on_the_engine(comm, native.Signature.of(what))
         except Exception as e:
             reset_after_error()
-            raise _on_every_rank(e)
+            raise on_every_rank(e)
 
     outside_trace(join)
 
@@ -149,7 +149,7 @@ def _agree_on_the_engine(comm: MPI.Comm, signature: native.Signature, rejected: 
     jax.block_until_ready(native.wait(job, size=0, capacity=0)[0].nnz)
 
 
-def _on_every_rank(error: BaseException) -> BaseException:
+def on_every_rank(error: BaseException) -> BaseException:
     """``error``, marked as raised on every rank of its collective (:func:`raised_everywhere`)."""
     try:
         error.sparcml_on_every_rank = True
@@ -190,4 +190,4 @@ def call_and_recover(fn, *args):
         return out
     except Exception as e:
         reset_after_error()
-        raise _on_every_rank(e)
+        raise on_every_rank(e)

@@ -418,12 +418,10 @@ def unordered_call(name: str) -> bool:
         return False
     traces = enclosing_traces()
     if any(trace in _TRACES_WITH_ONE for trace in traces):
-        error = ValueError(f"{name}: a second MPI call without JAX's ordered effect (ordered=False) in one program, "
-                           "and nothing would order the two: make them one collective (fuse=True, the default, and "
-                           "no second transform in the step), give each its own jitted program, or pass "
-                           "ordered=True")
-        error.sparcml_on_every_rank = True  # every rank traces the same step: no peer waits to be told
-        raise error
+        raise ValueError(f"{name}: a second MPI call without JAX's ordered effect (ordered=False) in one program, "
+                         "and nothing would order the two: make them one collective (fuse=True, the default, and "
+                         "no second transform in the step), give each its own jitted program, or pass "
+                         "ordered=True")
     _TRACES_WITH_ONE.update(traces)
     return True
 
